@@ -1,0 +1,188 @@
+"""The ``forensics`` command line (see docs/cli.md and ../shared/contract.md).
+
+Every command is a thin layer over :mod:`forensics.api`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table as RichTable
+
+from . import pipeline
+from .store import StoreLocked
+
+app = typer.Typer(
+    add_completion=True,
+    no_args_is_help=True,
+    help="Post-mortems of distributed RL training runs (Ray, vLLM/SGLang, FSDP/Megatron, NCCL) from their logs.",
+)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+DB_OPTION = typer.Option("forensics.duckdb", "--db", help="DuckDB database file.")
+
+
+class State:
+    debug = False
+
+
+@app.callback()
+def _root(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks of internal errors.")) -> None:
+    State.debug = debug
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@app.command()
+def ingest(
+    paths: List[str] = typer.Argument(..., help="Folders, files or .tar/.tar.gz/.zip bundles."),
+    db: str = DB_OPTION,
+    workers: int = typer.Option(0, "--workers", "-j", help="Parser processes (0 = number of cores)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Detect, parse and load every file under PATHS into the database."""
+    show_progress = not quiet and not as_json and err.is_terminal
+    try:
+        if show_progress:
+            with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+                task = bar.add_task("", total=None)
+
+                def progress(done: int, total: int, rel: str) -> None:
+                    bar.update(task, completed=done, total=total, description=rel[-60:])
+
+                summary = pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug)
+        else:
+            summary = pipeline.ingest(paths, db, workers=workers or None, debug=State.debug)
+    except StoreLocked as exc:
+        _fail(str(exc))
+        return
+    headline = _headline(db)
+    if as_json:
+        payload = {
+            "db": summary.db, "seconds": round(summary.seconds, 3), "files_seen": summary.files_seen,
+            "files_loaded": summary.files_loaded, "files_unchanged": summary.files_unchanged,
+            "files_grown": summary.files_grown, "files_by_format": summary.files_by_format,
+            "rows_added": summary.rows_added, "rows_total": summary.rows_total,
+            "unparsed_lines": summary.unparsed_lines, "messages": summary.messages, "diagnosis": headline,
+        }
+        typer.echo(json.dumps(payload, indent=2, default=str))
+        return
+    for m in summary.messages:
+        err.print(f"[yellow]![/yellow] {m}", markup=True, highlight=False)
+    if not quiet:
+        t = RichTable(title=f"ingested into {summary.db}", show_edge=False)
+        t.add_column("format")
+        t.add_column("files", justify="right")
+        for fmt, n in sorted(summary.files_by_format.items(), key=lambda kv: (-kv[1], kv[0])):
+            t.add_row(fmt, str(n))
+        out.print(t)
+        r = RichTable(show_edge=False)
+        r.add_column("table")
+        r.add_column("rows added", justify="right")
+        r.add_column("rows in db", justify="right")
+        for name, total in sorted(summary.rows_total.items()):
+            if total or summary.rows_added.get(name):
+                r.add_row(name, f"{summary.rows_added.get(name, 0):,}", f"{total:,}")
+        out.print(r)
+    mbps = summary.bytes_read / 1e6 / summary.seconds if summary.seconds else 0
+    out.print(
+        f"{summary.files_loaded} file(s) loaded, {summary.files_unchanged} unchanged, {summary.files_grown} grown; "
+        f"{_human(summary.bytes_read)} in {summary.seconds:.2f} s ({mbps:.1f} MB/s); "
+        f"{summary.unparsed_lines:,} line(s) no parser understood (kept in `lines`); "
+        f"{len(summary.messages)} problem(s)",
+        highlight=False,
+    )
+    if headline:
+        out.print(f"diagnosis: {headline}", highlight=False)
+
+
+def _headline(db: str) -> str | None:
+    """One-line diagnosis of the database, or None when diagnosis is unavailable."""
+    try:
+        from . import diagnose as dg
+    except ImportError:
+        return None
+    try:
+        return dg.headline(db)
+    except Exception as exc:  # diagnosis must never make ingest fail
+        if State.debug:
+            raise
+        return f"(diagnosis failed: {exc.__class__.__name__}: {exc})"
+
+
+@app.command()
+def query(
+    sql: str = typer.Argument(..., help="SQL to run (DuckDB dialect)."),
+    db: str = DB_OPTION,
+    fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
+    write: bool = typer.Option(False, "--write", help="Open the database writable (default: read-only)."),
+) -> None:
+    """Run SQL against the database and print the result."""
+    from .api import Run
+
+    if fmt not in ("table", "csv", "json"):
+        _fail(f"unknown --format {fmt!r}: use table, csv or json")
+    try:
+        run = Run(db, write=write)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+        return
+    except StoreLocked as exc:
+        _fail(str(exc))
+        return
+    try:
+        df = run.sql(sql)
+    except Exception as exc:  # duckdb errors: syntax, missing table, ...
+        if State.debug:
+            raise
+        _fail(f"{exc.__class__.__name__}: {exc}")
+        return
+    finally:
+        run.close()
+    if fmt == "csv":
+        sys.stdout.write(df.write_csv())
+    elif fmt == "json":
+        sys.stdout.write(json.dumps(df.to_dicts(), default=str, indent=1) + "\n")
+    else:
+        t = RichTable(show_edge=False)
+        for c in df.columns:
+            t.add_column(c, overflow="fold")
+        for row in df.iter_rows():
+            t.add_row(*["" if v is None else str(v) for v in row])
+        out.print(t)
+        out.print(f"({df.height} row{'s' if df.height != 1 else ''})", highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        if State.debug or os.environ.get("FORENSICS_DEBUG"):
+            raise
+        err.print(f"[red]internal error:[/red] {exc.__class__.__name__}: {exc} (run with --debug for the traceback)", markup=True, highlight=False)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

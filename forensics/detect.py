@@ -1,0 +1,152 @@
+"""Decide each file's format from its name AND its first bytes.
+
+Files are often renamed (a driver log may be ``train.out``, ``stdout.txt`` or
+``job_output.log``), so the name only breaks ties; the content decides. The format
+names what parser reads the file (``parsers.FORMATS``) and, for text logs, what
+kind of log it is (shown in the ingest summary and the ``files`` table).
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import re
+import zlib
+from dataclasses import dataclass
+
+from parsers import ray_logs, torchrun
+
+SNIFF_BYTES = 64 * 1024
+
+_NODE_DIR = re.compile(r"^(?:node|host)[_-](?P<name>.+)$", re.I)
+_NODE_PARENTS = {"nodes", "hosts", "ray_logs", "node_logs", "machines"}
+_NOT_NODES = re.compile(r"^(?:session_.*|session_latest|logs|events|export_events|old|profiler|trace|traces|nccl_debug|torchrun_logs|attempt_\d+|\d+|none_.*)$")
+
+
+@dataclass
+class Detected:
+    format: str  # parser key, see parsers.FORMATS
+    kind: str  # 'text' | 'structured' | 'skipped'
+    compressed: bool = False
+    node: str | None = None
+    pid: int | None = None
+    rank: int | None = None
+    actor: str | None = None
+    reason: str | None = None  # why a file is skipped
+
+
+def read_head(path: str) -> tuple[bytes, bool]:
+    """First bytes of the file, decompressed when it is gzip."""
+    with open(path, "rb") as fh:
+        raw = fh.read(SNIFF_BYTES)
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            return d.decompress(raw, SNIFF_BYTES), True
+        except zlib.error:
+            return b"", True
+    return raw, False
+
+
+def node_from_path(rel: str) -> str | None:
+    """A host name suggested by the folder layout (``nodes/<host>/``, ``node_<host>/``,
+    ``ray_logs/<host>/``)."""
+    parts = rel.split("/")[:-1]
+    for i in range(len(parts) - 1, -1, -1):
+        p = parts[i]
+        m = _NODE_DIR.match(p)
+        if m:
+            return m.group("name")
+        if i > 0 and parts[i - 1].lower() in _NODE_PARENTS and not _NOT_NODES.match(p):
+            return p
+    return None
+
+
+def _looks_binary(head: bytes) -> bool:
+    if not head:
+        return False
+    if head.startswith((b"\x7fELF", b"MZ", b"PK\x03\x04", b"\x89PNG")):
+        return True
+    sample = head[:8192]
+    if b"\x00" in sample:
+        # UTF-16 text also has NULs; treat it as binary too (we read UTF-8 logs)
+        return True
+    controls = sum(1 for b in sample if b < 9 or 13 < b < 27 or 27 < b < 32)
+    return controls > len(sample) * 0.1
+
+
+def _first_json_line(head: bytes) -> bytes:
+    nl = head.find(b"\n")
+    return head[:nl] if nl >= 0 else head
+
+
+def sniff(rel: str, head: bytes, compressed: bool = False, size: int | None = None) -> Detected:
+    name = rel.rsplit("/", 1)[-1]
+    hints = ray_logs.file_hints(rel)
+    rank = torchrun.rank_from_path(rel)
+    node = node_from_path(rel)
+    base = dict(compressed=compressed, node=node, pid=hints.get("pid"), rank=rank, actor=hints.get("actor"))
+    if size == 0 or (not head and not compressed):
+        return Detected("empty", "skipped", reason="empty file", **base)
+    if compressed and not head:
+        return Detected("binary", "skipped", reason="gzip data that does not decompress", **base)
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        return Detected("flight_recorder", "structured", **base)
+    stripped = head.lstrip()
+    if stripped[:1] == b"{":
+        window = head[:SNIFF_BYTES]
+        first = _first_json_line(stripped)
+        if b'"traceEvents"' in window or b'"schemaVersion"' in window[:8192] or b'"deviceProperties"' in window:
+            return Detected("kineto_trace", "structured", **base)
+        if first.rstrip().endswith(b"}") and (b'"step"' in first or b'"_step"' in first or b'"global_step"' in first):
+            return Detected("metrics_jsonl", "text", **base)
+        if name.endswith((".jsonl", ".ndjson")):
+            return Detected("metrics_jsonl", "text", **base)
+        return Detected("text", "text", **base)
+    if stripped[:1] == b"[" and b'"ph"' in head[:8192] and (b'"ts"' in head[:8192] or b'"name"' in head[:8192]):
+        return Detected("ray_timeline", "structured", **base)
+    if _looks_binary(head):
+        return Detected("binary", "skipped", reason="binary content (not a text log)", **base)
+    return Detected(_text_kind(name, rel, head, hints), "text", **base)
+
+
+_KIND_PATTERNS = [
+    ("nccl_debug", re.compile(rb"^(?:\[[\d\- :]+\] )?[\w.\-]+:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?:INFO|WARN)", re.M)),
+    ("kernel", re.compile(rb"^(?:\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ [\d:]+ \d{4}\]|\[ *\d+\.\d+\]|\w{3} +\d+ [\d:]+ \S+ kernel:)", re.M)),
+    ("driver", re.compile(rb"^(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?pid=\d+(?:, ip=[^)]+)?\)", re.M)),
+    ("vllm", re.compile(rb"^(?:\([\w]+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[?[\w.]+\.py:\d+\]", re.M)),
+    ("torchrun", re.compile(rb"^(?:\[\w+\d+\]:|[IWE]\d{4} [\d:.]+ \d+ torch/distributed/)", re.M)),
+]
+
+
+def _text_kind(name: str, rel: str, head: bytes, hints: dict) -> str:
+    if hints.get("format"):
+        return hints["format"]
+    if torchrun.rank_from_path(rel) is not None:
+        return "torchrun_rank"
+    counts = {k: len(p.findall(head)) for k, p in _KIND_PATTERNS}
+    total = max(1, head.count(b"\n"))
+    if counts["nccl_debug"] > total * 0.5:
+        return "nccl_debug"
+    if counts["kernel"] > total * 0.5:
+        return "kernel"
+    if counts["driver"] >= 3:
+        return "driver"
+    if counts["vllm"] > total * 0.2:
+        return "vllm"
+    if counts["torchrun"] >= 3:
+        return "torchrun"
+    if counts["nccl_debug"] > total * 0.2:
+        return "nccl_debug"
+    return "text"
+
+
+def detect(path: str, rel: str, size: int) -> Detected:
+    head, compressed = read_head(path)
+    return sniff(rel, head, compressed, size)
+
+
+def open_stream(path: str, compressed: bool) -> io.BufferedIOBase:
+    """A binary stream of the file's content (gzip decompressed on the fly)."""
+    if compressed:
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return open(path, "rb")

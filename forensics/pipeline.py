@@ -1,0 +1,476 @@
+"""Ingest: walk inputs, detect formats, parse (in a process pool), load DuckDB.
+
+Parsing happens in worker processes that write each table's rows as Arrow IPC
+parts into a spool folder; the main process is the only writer of the database and
+loads each file's parts in one transaction. Memory stays bounded by the parsers'
+chunk size, not by the size of a file or of the whole input.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+import traceback
+import zipfile
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import polars as pl
+import pyarrow as pa
+
+import parsers
+from parsers.base import FileContext
+
+from . import detect as det
+from .store import Store, write_part
+
+BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
+HASH_BLOCK = 1 << 20
+
+
+@dataclass
+class FileTask:
+    file_id: int
+    root: str
+    rel: str
+    abs_path: str
+    size: int
+    mtime: float
+    detected: det.Detected
+    start_line: int = 1
+    start_offset: int = 0
+    replace_from_line: int | None = None  # None: full (re)load
+
+
+@dataclass
+class FileResult:
+    task: FileTask
+    parts: dict[str, list[str]]
+    problems: list[dict]
+    lines: int
+    unparsed: int
+    truncated: bool
+    sha256: str
+    ends_with_newline: bool
+    error: str | None = None
+    debug: str | None = None
+
+
+@dataclass
+class IngestSummary:
+    files_by_format: dict[str, int] = field(default_factory=dict)
+    rows_added: dict[str, int] = field(default_factory=dict)
+    rows_total: dict[str, int] = field(default_factory=dict)
+    unparsed_lines: int = 0
+    files_seen: int = 0
+    files_loaded: int = 0
+    files_unchanged: int = 0
+    files_grown: int = 0
+    bytes_read: int = 0
+    messages: list[str] = field(default_factory=list)  # per-file problems, in words
+    seconds: float = 0.0
+    db: str = ""
+
+
+# -- walking -----------------------------------------------------------------------
+
+def _is_bundle(path: str) -> bool:
+    return path.lower().endswith(BUNDLE_SUFFIXES)
+
+
+def _safe_member_path(dest: Path, name: str) -> Path | None:
+    if not name or name.startswith(("/", "\\")) or (len(name) > 1 and name[1] == ":"):
+        return None
+    target = (dest / name).resolve()
+    try:
+        target.relative_to(dest.resolve())
+    except ValueError:
+        return None
+    return target
+
+
+def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
+    """Extract a tar/zip bundle into ``dest``; members that would land outside it
+    (absolute paths, ``..``, links pointing out, devices) are skipped and reported."""
+    name = os.path.basename(bundle)
+    if bundle.lower().endswith(".zip"):
+        with zipfile.ZipFile(bundle) as zf:
+            for info in zf.infolist():
+                mode = info.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    messages.append(f"{name}: skipped symlink member {info.filename!r}")
+                    continue
+                target = _safe_member_path(dest, info.filename)
+                if target is None:
+                    messages.append(f"{name}: skipped member with unsafe path {info.filename!r}")
+                    continue
+                if info.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out)
+        return
+    with tarfile.open(bundle, "r:*") as tf:
+        for member in tf:
+            try:
+                safe = tarfile.data_filter(member, str(dest))
+            except tarfile.FilterError as exc:
+                messages.append(f"{name}: skipped member {member.name!r} ({exc.__class__.__name__}: {exc})")
+                continue
+            if safe is None or not (safe.isfile() or safe.isdir()):
+                if safe is not None and (safe.issym() or safe.islnk()):
+                    messages.append(f"{name}: skipped link member {member.name!r}")
+                continue
+            target = _safe_member_path(dest, safe.name)
+            if target is None:
+                messages.append(f"{name}: skipped member with unsafe path {member.name!r}")
+                continue
+            if safe.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            src = tf.extractfile(safe)
+            if src is None:
+                continue
+            with src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out)
+
+
+def walk(root: str, messages: list[str], skip: set[str]) -> Iterator[tuple[str, str]]:
+    """Yield (absolute path, relative path) of the regular files under ``root``."""
+    root_p = os.path.abspath(root)
+    if os.path.isfile(root_p):
+        yield root_p, os.path.basename(root_p)
+        return
+    for dirpath, dirnames, filenames in os.walk(root_p, followlinks=False, onerror=lambda e: messages.append(f"cannot list {e.filename}: {e.strerror}")):
+        dirnames.sort()
+        for d in list(dirnames):
+            full = os.path.join(dirpath, d)
+            if os.path.islink(full):
+                messages.append(f"{os.path.relpath(full, root_p)}: symlinked folder not followed")
+                dirnames.remove(d)
+        for fname in sorted(filenames):
+            full = os.path.join(dirpath, fname)
+            rel = os.path.relpath(full, root_p).replace(os.sep, "/")
+            if os.path.abspath(full) in skip:
+                continue
+            try:
+                st = os.stat(full)  # follows a file symlink
+            except OSError as exc:
+                messages.append(f"{rel}: cannot read ({exc.strerror or exc})")
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                messages.append(f"{rel}: not a regular file (fifo, socket or device), skipped")
+                continue
+            yield full, rel
+
+
+# -- parsing (runs in worker processes) --------------------------------------------
+
+class _HashingReader:
+    """Wrap a raw file: hash every byte read, remember the last one."""
+
+    def __init__(self, fh, hasher):
+        self.fh, self.hasher, self.last = fh, hasher, b""
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.fh.read(n)
+        if data:
+            self.hasher.update(data)
+            self.last = data[-1:]
+        return data
+
+    def readinto(self, b):  # for gzip / io wrappers
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
+    """Parse one file into Arrow IPC parts under ``spool``. Never raises."""
+    d = task.detected
+    ctx = FileContext(
+        file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
+        start_line=task.start_line, start_offset=task.start_offset,
+        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor,
+    )
+    parts: dict[str, list[str]] = {}
+    hasher = hashlib.sha256()
+    sha = ""
+    ends_nl = False
+    error = None
+    dbg = None
+    counter = 0
+    try:
+        parse = parsers.parser_for(d.format)
+        if parse is None:
+            raise LookupError(f"no parser for format {d.format}")
+        from .store import all_tables
+
+        tables = {t.name: t for t in all_tables()}
+        with open(task.abs_path, "rb") as raw:
+            if task.start_offset and not d.compressed:
+                # a grown file: hash the old prefix too (the store compares it)
+                remaining = task.start_offset
+                while remaining:
+                    block = raw.read(min(HASH_BLOCK, remaining))
+                    if not block:
+                        break
+                    hasher.update(block)
+                    remaining -= len(block)
+            reader = _HashingReader(raw, hasher)
+            stream = det.gzip.GzipFile(fileobj=reader, mode="rb") if d.compressed else reader
+            for name, frame in parse(stream, ctx):
+                table = tables.get(name)
+                if table is None:
+                    raise KeyError(f"parser produced rows for unknown table {name!r}")
+                arrow = table.conform(frame)
+                if arrow.num_rows == 0:
+                    continue
+                counter += 1
+                path = os.path.join(spool, f"{task.file_id}-{counter:06d}-{name}.arrow")
+                write_part(path, arrow)
+                parts.setdefault(name, []).append(path)
+            # drain what the parser did not read, so the hash covers the whole file
+            while reader.read(HASH_BLOCK):
+                pass
+            ends_nl = reader.last == b"\n" if not d.compressed else True
+        sha = hasher.hexdigest()
+    except (EOFError, OSError, det.zlib.error) as exc:
+        # truncated gzip and the like: keep what was parsed before the failure
+        ctx.truncated = True
+        ctx.problem(f"stopped reading: {exc.__class__.__name__}: {exc}", None, "truncated")
+        sha = hasher.hexdigest()
+    except Exception as exc:  # a parser bug: report it for this file, go on with the others
+        error = f"{exc.__class__.__name__}: {exc}"
+        dbg = traceback.format_exc()
+        sha = hasher.hexdigest()
+    problems = [
+        {"file_id": task.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message}
+        for p in ctx.problems
+    ]
+    return FileResult(task, parts, problems, ctx.lines, ctx.unparsed_lines, ctx.truncated, sha, ends_nl, error, dbg)
+
+
+# -- orchestration -----------------------------------------------------------------
+
+def _prefix_sha(path: str, nbytes: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        remaining = nbytes
+        while remaining > 0:
+            block = fh.read(min(HASH_BLOCK, remaining))
+            if not block:
+                break
+            h.update(block)
+            remaining -= len(block)
+    return h.hexdigest()
+
+
+def _file_sha(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(HASH_BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).replace(tzinfo=None)
+
+
+def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[], int], summary: IngestSummary) -> FileTask | dict | None:
+    """Decide what to do with one file: a FileTask to parse, a skipped-file row, or
+    None when it is already in the database unchanged."""
+    try:
+        st = os.stat(abs_path)
+        d = det.detect(abs_path, rel, st.st_size)
+    except OSError as exc:
+        summary.messages.append(f"{rel}: cannot read ({exc.strerror or exc})")
+        d = det.Detected("unreadable", "skipped", reason=f"cannot read: {exc.strerror or exc}")
+        st = None
+    known = store.known(root, rel)
+    if d.kind == "skipped":
+        if known and known.format == d.format and st is not None and known.bytes == st.st_size:
+            return None
+        if d.format not in ("empty",):
+            summary.messages.append(f"{rel}: skipped, {d.reason}")
+        return {
+            "file_id": known.file_id if known else next_id(), "root": root, "path": rel, "format": d.format,
+            "kind": "skipped", "compressed": d.compressed, "bytes": st.st_size if st else None, "lines": 0,
+            "ends_with_newline": None, "unparsed_lines": 0, "parse_errors": 0 if d.format == "empty" else 1,
+            "truncated": False, "sha256": None, "mtime": _utc(st.st_mtime) if st else None, "node": d.node,
+            "pid": d.pid, "rank": d.rank, "actor": d.actor, "status": "skipped", "message": d.reason,
+            "ingested_at": _utc(time.time()),
+        }
+    task = FileTask(next_id() if known is None else known.file_id, root, rel, abs_path, st.st_size, st.st_mtime, d)
+    if known is None:
+        return task
+    if known.bytes == st.st_size and known.sha256 and _file_sha(abs_path) == known.sha256:
+        return None
+    if (
+        d.kind == "text" and not d.compressed and known.kind == "text" and known.sha256
+        and st.st_size > known.bytes and _prefix_sha(abs_path, known.bytes) == known.sha256
+    ):
+        # grown log: parse only the new part (re-read the last line if it was unterminated)
+        if known.ends_with_newline or known.lines == 0:
+            task.start_line, task.start_offset = known.lines + 1, known.bytes
+        else:
+            off = store.last_line_offset(known.file_id, known.lines)
+            task.start_line, task.start_offset = known.lines, off if off is not None else 0
+            if off is None:
+                task.start_line = 1
+        task.replace_from_line = task.start_line if task.start_line > 1 else None
+        summary.files_grown += 1
+        return task
+    return task
+
+
+def ingest(
+    paths: list[str],
+    db: str = "forensics.duckdb",
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    debug: bool = False,
+) -> IngestSummary:
+    """Ingest folders, files and bundles into the DuckDB database ``db``."""
+    t0 = time.perf_counter()
+    summary = IngestSummary(db=str(db))
+    store = Store(db)
+    workers = workers or os.cpu_count() or 1
+    db_abs = os.path.abspath(db)
+    skip = {db_abs, db_abs + ".wal", db_abs + ".tmp"}
+    tmp_root = tempfile.mkdtemp(prefix="forensics-")
+    try:
+        id_counter = [store.next_file_id()]
+
+        def next_id() -> int:
+            v = id_counter[0]
+            id_counter[0] += 1
+            return v
+
+        tasks: list[FileTask] = []
+        for given in paths:
+            if not os.path.exists(given):
+                summary.messages.append(f"{given}: no such file or folder")
+                continue
+            root = os.path.abspath(given)
+            walk_root = root
+            if os.path.isfile(root) and _is_bundle(root):
+                dest = Path(tempfile.mkdtemp(prefix="bundle-", dir=tmp_root))
+                try:
+                    extract_bundle(root, dest, summary.messages)
+                except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as exc:
+                    summary.messages.append(f"{given}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
+                walk_root = str(dest)
+            for abs_path, rel in walk(walk_root, summary.messages, skip):
+                summary.files_seen += 1
+                decision = plan(store, root, abs_path, rel, next_id, summary)
+                if decision is None:
+                    summary.files_unchanged += 1
+                elif isinstance(decision, dict):
+                    store.record_skipped(decision)
+                    summary.files_by_format[decision["format"]] = summary.files_by_format.get(decision["format"], 0) + 1
+                else:
+                    tasks.append(decision)
+        spool = tempfile.mkdtemp(prefix="spool-", dir=tmp_root)
+        total = len(tasks)
+        done = 0
+        # biggest files first keeps the pool busy
+        tasks.sort(key=lambda t: -t.size)
+
+        def finish(res: FileResult) -> None:
+            nonlocal done
+            done += 1
+            _load(store, res, summary, debug)
+            for paths_ in res.parts.values():
+                for p in paths_:
+                    try:
+                        os.unlink(p)
+                    except OSError:
+                        pass
+            if progress:
+                progress(done, total, res.task.rel)
+
+        if workers <= 1 or total <= 1:
+            for task in tasks:
+                finish(parse_one(task, spool, debug))
+        else:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                pending: set[Future] = set()
+                it = iter(tasks)
+                # keep a bounded number of parsed-but-not-loaded files in flight
+                for task in it:
+                    pending.add(pool.submit(parse_one, task, spool, debug))
+                    if len(pending) >= workers * 2:
+                        break
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        finish(fut.result())
+                        nxt = next(it, None)
+                        if nxt is not None:
+                            pending.add(pool.submit(parse_one, nxt, spool, debug))
+        store.fix_yearless_timestamps()
+        summary.rows_total = store.table_counts()
+    finally:
+        store.close()
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> None:
+    task, d = res.task, res.task.detected
+    lines_total = res.lines + (task.start_line - 1)
+    status = "ok"
+    message = None
+    if res.error:
+        status = "error"
+        message = f"parser failed: {res.error}" + (" (partial rows dropped)" if res.parts else "")
+        summary.messages.append(f"{task.rel}: {message}" + (f"\n{res.debug}" if debug and res.debug else ""))
+        res.parts = {}
+        res.problems.append({"file_id": task.file_id, "line_no": None, "kind": "error", "message": message})
+        lines_total = 0
+    elif res.problems:
+        status = "partial" if any(p["kind"] in ("error", "truncated") for p in res.problems) else "ok"
+        worst = [p for p in res.problems if p["kind"] in ("error", "truncated")] or res.problems
+        message = worst[0]["message"]
+        extra = f" (+{len(res.problems) - 1} more)" if len(res.problems) > 1 else ""
+        summary.messages.append(f"{task.rel}: {message}{extra}")
+    row = {
+        "file_id": task.file_id, "root": task.root, "path": task.rel, "format": d.format, "kind": d.kind,
+        "compressed": d.compressed, "bytes": task.size, "lines": lines_total, "ends_with_newline": res.ends_with_newline,
+        "unparsed_lines": res.unparsed, "parse_errors": len(res.problems), "truncated": res.truncated,
+        "sha256": res.sha256, "mtime": _utc(task.mtime), "node": d.node, "pid": d.pid, "rank": d.rank,
+        "actor": d.actor, "status": status, "message": message, "ingested_at": _utc(time.time()),
+    }
+    if task.replace_from_line is not None:
+        prev = store.con.execute("SELECT unparsed_lines, parse_errors FROM files WHERE file_id = ?", [task.file_id]).fetchone()
+        if prev:
+            row["unparsed_lines"] += int(prev[0] or 0)
+            row["parse_errors"] += int(prev[1] or 0)
+    counts = store.load_file(row, res.parts, res.problems, task.replace_from_line)
+    for k, v in counts.items():
+        summary.rows_added[k] = summary.rows_added.get(k, 0) + v
+    summary.files_loaded += 1
+    summary.bytes_read += task.size - task.start_offset
+    summary.unparsed_lines += res.unparsed
+    summary.files_by_format[d.format] = summary.files_by_format.get(d.format, 0) + 1

@@ -1,0 +1,281 @@
+"""The DuckDB store: schema, per-file transactional loading, idempotency, views.
+
+Every table is declared once as a :class:`parsers.base.Table` (parser output tables in
+``parsers/``, bookkeeping tables here); ``docs/schema.md`` is generated from those
+declarations and from the header comments of the view files in ``forensics/sql/``.
+
+A file is loaded inside one transaction (its rows and its ``files`` row together),
+so an interrupted ingest leaves the database consistent and a re-run redoes only
+the files that were not committed.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterable
+
+import duckdb
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+import parsers
+from parsers.base import FILE_ID, LINE_NO, Table, col
+
+SCHEMA_VERSION = 1
+
+FILES = Table(
+    "files",
+    "One row per ingested file: what it is, how much of it was read, and what went wrong.",
+    (
+        FILE_ID,
+        col("root", pa.string(), "Absolute path of the folder, file or bundle given to `ingest`."),
+        col("path", pa.string(), "Path relative to `root` ('/'-separated); for a single file, its name. Evidence cites this."),
+        col("format", pa.string(), "Detected format (`driver`, `ray_worker`, `ray_raylet`, `torchrun_rank`, `nccl_debug`, `kernel`, `vllm`, `metrics_jsonl`, `kineto_trace`, `ray_timeline`, `flight_recorder`, `text`, `binary`, `empty`, ...)."),
+        col("kind", pa.string(), "`text` (every line is in `lines`), `structured` (records in their own tables) or `skipped` (not parsed: see `message`)."),
+        col("compressed", pa.bool_(), "The file was gzip-compressed."),
+        col("bytes", pa.int64(), "Size on disk when ingested."),
+        col("lines", pa.int64(), "Physical lines (`\\n`-terminated, plus a last unterminated one). For text files equal to the file's rows in `lines`."),
+        col("ends_with_newline", pa.bool_(), "Whether the last byte read was `\\n` (a file that grows resumes at its last line otherwise)."),
+        col("unparsed_lines", pa.int64(), "Non-empty lines that no line format recognised (still stored in `lines`)."),
+        col("parse_errors", pa.int64(), "Problems found while reading the file (rows in `problems`)."),
+        col("truncated", pa.bool_(), "The file ended mid-record (e.g. a trace cut off by a crash); complete records before the cut were loaded."),
+        col("sha256", pa.string(), "SHA-256 of the bytes ingested."),
+        col("mtime", pa.timestamp("us"), "Modification time of the file (UTC)."),
+        col("node", pa.string(), "Host suggested by the folder layout, if any."),
+        col("pid", pa.int64(), "Process id suggested by the file name, if any."),
+        col("rank", pa.int32(), "Rank suggested by the path, if any."),
+        col("actor", pa.string(), "Actor / role suggested by the file, if any."),
+        col("status", pa.string(), "`ok`, `partial` (loaded with problems), `skipped` or `error`."),
+        col("message", pa.string(), "Why a file was skipped or failed, in words."),
+        col("ingested_at", pa.timestamp("us"), "When this file was (last) loaded, UTC."),
+    ),
+)
+
+PROBLEMS = Table(
+    "problems",
+    "Problems met while reading input files: undecodable bytes, truncation, corrupt records, unreadable files.",
+    (
+        FILE_ID,
+        LINE_NO,
+        col("kind", pa.string(), "`error`, `warning` or `truncated`."),
+        col("message", pa.string(), "What went wrong, in words."),
+    ),
+)
+
+META = Table(
+    "meta",
+    "Key/value facts about the database (schema version, forensics version).",
+    (col("key", pa.string(), "Name."), col("value", pa.string(), "Value.")),
+)
+
+
+def all_tables() -> list[Table]:
+    return [FILES, PROBLEMS, META, *parsers.all_tables()]
+
+
+def _duck_type(t: pa.DataType) -> str:
+    if pa.types.is_int32(t):
+        return "INTEGER"
+    if pa.types.is_int64(t):
+        return "BIGINT"
+    if pa.types.is_float64(t):
+        return "DOUBLE"
+    if pa.types.is_float32(t):
+        return "FLOAT"
+    if pa.types.is_boolean(t):
+        return "BOOLEAN"
+    if pa.types.is_timestamp(t):
+        return "TIMESTAMP"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "VARCHAR"
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return _duck_type(t.value_type) + "[]"
+    raise TypeError(f"no DuckDB type for {t}")
+
+
+def ddl(table: Table) -> str:
+    cols = ", ".join(f'"{c.name}" {_duck_type(c.type)}' for c in table.columns)
+    return f'CREATE TABLE IF NOT EXISTS "{table.name}" ({cols})'
+
+
+def view_files() -> list[tuple[str, str]]:
+    """(name, sql) of the analysis views, in dependency order (file name order)."""
+    out = []
+    folder = resources.files("forensics") / "sql"
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+        if entry.name.endswith(".sql"):
+            out.append((entry.name[:-4], entry.read_text()))
+    return out
+
+
+class StoreLocked(RuntimeError):
+    """Another process holds the database open for writing."""
+
+
+@dataclass
+class KnownFile:
+    file_id: int
+    bytes: int
+    sha256: str
+    lines: int
+    ends_with_newline: bool
+    kind: str
+    format: str
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike, read_only: bool = False):
+        self.path = str(path)
+        try:
+            self.con = duckdb.connect(self.path, read_only=read_only)
+        except duckdb.IOException as exc:
+            text = str(exc)
+            if "lock" in text.lower():
+                raise StoreLocked(
+                    f"database {self.path} is in use by another process (another `forensics ingest`?); "
+                    "wait for it to finish and run again"
+                ) from None
+            raise
+        self.read_only = read_only
+        if not read_only:
+            self.ensure_schema()
+
+    # -- schema ---------------------------------------------------------------
+    def ensure_schema(self) -> None:
+        con = self.con
+        for table in all_tables():
+            con.execute(ddl(table))
+            have = {r[0] for r in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table.name]).fetchall()}
+            for c in table.columns:
+                if c.name not in have:
+                    con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{c.name}" {_duck_type(c.type)}')
+        con.execute("DELETE FROM meta WHERE key = 'schema_version'")
+        con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
+        self.create_views()
+
+    def create_views(self) -> None:
+        for name, sql in view_files():
+            self.con.execute(sql)
+
+    # -- files ----------------------------------------------------------------
+    def known(self, root: str, rel: str) -> KnownFile | None:
+        row = self.con.execute(
+            "SELECT file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ? AND path = ?",
+            [root, rel],
+        ).fetchone()
+        return KnownFile(*row) if row else None
+
+    def next_file_id(self) -> int:
+        return int(self.con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchone()[0])
+
+    def last_line_offset(self, file_id: int, line_no: int) -> int | None:
+        row = self.con.execute("SELECT byte_offset FROM lines WHERE file_id = ? AND line_no = ?", [file_id, line_no]).fetchone()
+        return int(row[0]) if row else None
+
+    def tables_with_file_rows(self) -> list[Table]:
+        return [t for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != "files"]
+
+    def load_file(
+        self,
+        file_row: dict,
+        parts: dict[str, list[str]],
+        problems: list[dict],
+        replace_from_line: int | None,
+    ) -> dict[str, int]:
+        """Load one file's spooled parts and its ``files`` row in one transaction.
+
+        ``replace_from_line``: None = the file is new or fully re-parsed (all its old
+        rows go); N = a grown file, rows from line N on are replaced.
+        """
+        con = self.con
+        fid = file_row["file_id"]
+        counts: dict[str, int] = {}
+        by_name = {t.name: t for t in all_tables()}
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for t in self.tables_with_file_rows():
+                if replace_from_line is None:
+                    con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ?', [fid])
+                elif any(c.name == "line_no" for c in t.columns):
+                    con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ? AND line_no >= ?', [fid, replace_from_line])
+            con.execute("DELETE FROM files WHERE file_id = ?", [fid])
+            for name, paths in parts.items():
+                table = by_name.get(name)
+                if table is None:
+                    raise KeyError(f"parser produced rows for unknown table {name!r}")
+                for p in paths:
+                    with pa.memory_map(p) as source:
+                        arrow = ipc.open_file(source).read_all()
+                    con.register("_part", arrow)
+                    con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
+                    con.unregister("_part")
+                    counts[name] = counts.get(name, 0) + arrow.num_rows
+            if problems:
+                con.register("_probs", pa.Table.from_pylist(problems, schema=PROBLEMS.arrow_schema))
+                con.execute("INSERT INTO problems SELECT * FROM _probs")
+                con.unregister("_probs")
+            con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
+            con.execute("INSERT INTO files SELECT * FROM _file")
+            con.unregister("_file")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+        return counts
+
+    def record_skipped(self, file_row: dict) -> None:
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            con.execute("DELETE FROM files WHERE file_id = ?", [file_row["file_id"]])
+            con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
+            con.execute("INSERT INTO files SELECT * FROM _file")
+            con.unregister("_file")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def fix_yearless_timestamps(self) -> int:
+        """Stamps printed without a year (glog, vLLM, syslog) in files that had no full
+        stamp of their own take the year most common among the run's full stamps."""
+        row = self.con.execute(
+            "SELECT year(ts) AS y FROM lines WHERE ts_quality = 'full' GROUP BY y ORDER BY count(*) DESC LIMIT 1"
+        ).fetchone()
+        if row is None:
+            return 0
+        year = int(row[0])
+        from parsers.text import YEARLESS
+
+        n = self.con.execute(
+            f"""UPDATE lines SET ts = ts + to_years({year - YEARLESS}),
+                   ts_quality = CASE WHEN ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END
+                WHERE year(ts) = {YEARLESS} AND ts_quality IN ('no_year', 'inherited')"""
+        ).fetchone()
+        self.con.execute(
+            f"UPDATE metrics SET ts = ts + to_years({year - YEARLESS}) WHERE year(ts) = {YEARLESS}"
+        )
+        return int(n[0]) if n else 0
+
+    def table_counts(self) -> dict[str, int]:
+        out = {}
+        for t in all_tables():
+            out[t.name] = int(self.con.execute(f'SELECT count(*) FROM "{t.name}"').fetchone()[0])
+        return out
+
+    def close(self) -> None:
+        self.con.close()
+
+
+def spool_parts(spool_dir: str, file_id: int) -> Iterable[str]:
+    return sorted(glob.glob(os.path.join(spool_dir, f"{file_id}-*.arrow")))
+
+
+def write_part(path: str | Path, table: pa.Table) -> None:
+    with pa.OSFile(str(path), "wb") as sink:
+        with ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)

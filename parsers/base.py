@@ -1,0 +1,121 @@
+"""What every parser shares: table declarations and the per-file context.
+
+A parser is a pure function ``parse(stream, ctx) -> Iterator[(table_name, frame)]``
+where ``stream`` is a binary file object and ``frame`` is a polars DataFrame or an
+Arrow table / record batch whose columns follow the :class:`Table` the parser
+declares. Parsers know nothing of DuckDB; ``forensics.store`` loads what they yield.
+
+Problems with the input (bad encoding, truncation, corrupt records) are reported
+through :meth:`FileContext.problem`, never by raising, so one bad file cannot stop
+an ingest. A parser raises only for bugs; the pipeline turns those into a per-file
+error too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+import polars as pl
+import pyarrow as pa
+
+Frame = Union[pl.DataFrame, pa.Table, pa.RecordBatch]
+ParseOutput = Iterator[tuple[str, Frame]]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    doc: str
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table a parser fills. ``doc`` and column docs generate docs/schema.md."""
+
+    name: str
+    doc: str
+    columns: tuple[Column, ...]
+
+    @property
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, c.type) for c in self.columns])
+
+    @property
+    def polars_schema(self) -> dict[str, pl.DataType]:
+        empty = pa.Table.from_batches([], schema=self.arrow_schema)
+        return dict(pl.from_arrow(empty).schema)
+
+    def empty(self) -> pl.DataFrame:
+        return pl.DataFrame(schema=self.polars_schema)
+
+    def conform(self, frame: Frame) -> pa.Table:
+        """Return ``frame`` as an Arrow table with exactly this table's columns and types.
+
+        Missing columns become nulls; extra columns are an error (a parser bug).
+        """
+        if isinstance(frame, pl.DataFrame):
+            extra = set(frame.columns) - {c.name for c in self.columns}
+            if extra:
+                raise ValueError(f"{self.name}: unexpected columns {sorted(extra)}")
+            cols = []
+            for c in self.columns:
+                if c.name in frame.columns:
+                    cols.append(frame.get_column(c.name))
+                else:
+                    cols.append(pl.Series(c.name, [None] * frame.height))
+            frame = pl.DataFrame(cols).to_arrow()
+        elif isinstance(frame, pa.RecordBatch):
+            frame = pa.Table.from_batches([frame])
+        extra = set(frame.column_names) - {c.name for c in self.columns}
+        if extra:
+            raise ValueError(f"{self.name}: unexpected columns {sorted(extra)}")
+        arrays = []
+        for c in self.columns:
+            if c.name in frame.column_names:
+                arr = frame.column(c.name)
+                if arr.type != c.type:
+                    arr = arr.cast(c.type)
+                arrays.append(arr)
+            else:
+                arrays.append(pa.nulls(frame.num_rows, c.type))
+        return pa.Table.from_arrays(arrays, schema=self.arrow_schema)
+
+
+def col(name: str, type_: pa.DataType, doc: str) -> Column:
+    return Column(name, type_, doc)
+
+
+# Provenance columns shared by every row-level table.
+FILE_ID = col("file_id", pa.int32(), "Source file (join `files.file_id`).")
+LINE_NO = col("line_no", pa.int64(), "1-based physical line number in the source file (`\\n`-terminated lines, as `grep -n` counts them); for structured files the line where the record starts, or null.")
+
+
+@dataclass
+class Problem:
+    message: str
+    line_no: int | None = None
+    kind: str = "error"  # error | warning | truncated
+
+
+@dataclass
+class FileContext:
+    """What the pipeline knows about one file before parsing it."""
+
+    file_id: int
+    path: str  # relative to the ingested root, '/'-separated
+    size: int
+    fmt: str
+    start_line: int = 1  # first line number to emit (a grown file resumes here)
+    start_offset: int = 0  # byte offset ``stream`` is positioned at
+    node: str | None = None  # host/IP hinted by the path
+    pid: int | None = None  # process id hinted by the file name
+    rank: int | None = None  # global rank hinted by the path
+    actor: str | None = None  # Ray actor class / role hinted by the file
+    problems: list[Problem] = field(default_factory=list)
+    lines: int = 0  # physical lines seen (set by the parser)
+    unparsed_lines: int = 0  # lines no line-format recognised (set by text parsers)
+    truncated: bool = False
+
+    def problem(self, message: str, line_no: int | None = None, kind: str = "error") -> None:
+        self.problems.append(Problem(message, line_no, kind))

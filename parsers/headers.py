@@ -1,0 +1,35 @@
+"""Generic timestamped headers that no specific format claimed.
+
+Python ``logging`` in its common shapes and other ISO-stamped lines:
+
+* ``2025-03-14 10:02:11,345 INFO verl.trainer.main_ppo:375 - msg``
+* ``2025-03-14 10:02:11,345 - name - INFO - msg``
+* ``[2025-03-14 10:00:00,123] [INFO] [config.py:1003:print] msg`` (DeepSpeed)
+* ``2025-03-14T10:02:11.345Z msg``, ``[2025-03-14 10:02:11] msg``
+
+Only the timestamp and, when it follows, the level are taken; the rest is the message.
+"""
+from __future__ import annotations
+
+import polars as pl
+
+from .base import FileContext
+from .text import apply_header, g, normalise_level, parse_ts
+
+_LEVEL = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL"
+ISO = (
+    r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|[+-]\d{2}:?\d{2})?\]?"
+    rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?)?[ \t]*)"
+)
+
+
+def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    if not df.get_column("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}").any():
+        return df, {}
+    df = apply_header(df, ISO, "pylog", {
+        "ts": parse_ts(g("ts")),
+        "ts_quality": pl.lit("full"),
+        "level": normalise_level(g("level")),
+        "logger": g("name"),
+    })
+    return df, {}

@@ -1,0 +1,89 @@
+"""Ray session logs (``/tmp/ray/session_*/logs``) and Ray's own line headers.
+
+* Python logging: ``2025-03-14 10:02:11,345\\tINFO worker.py:1841 -- message``
+* C++ logging (raylet, gcs_server, core workers):
+  ``[2025-03-14 10:02:11,345 E 4411 4450] (raylet) node_manager.cc:3277: message``
+  (the ``(component)`` tag is absent in older Ray and in core-worker files).
+* Worker stdout/stderr files ``worker-<worker id>-<job id>-<pid>.out|.err`` begin with
+  ``:job_id:01000000`` and then ``:actor_name:WorkerDict`` or ``:task_name:...``;
+  Ray repeats the markers when the process is reused for another actor/task.
+* ``python-core-worker-<worker id>_<pid>.log``, ``python-core-driver-<id>_<pid>.log``,
+  ``raylet.out``, ``gcs_server.out``, ``monitor.log``, ``dashboard*.log``.
+"""
+from __future__ import annotations
+
+import re
+
+import polars as pl
+
+from .base import FileContext
+from .text import apply_header, coalesce_into, g, normalise_level, parse_ts
+
+_TS = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}"
+PY = rf"^(?P<h>(?P<ts>{_TS})\t(?P<level>[A-Z]+) (?P<logger>[^\s]+:\d+) -- )"
+CPP = rf"^(?P<h>\[(?P<ts>{_TS}) (?P<level>[DIWEFC]) (?P<pid>\d+) (?P<tid>\d+)\] (?:\((?P<comp>[\w.-]+)\) )?(?P<logger>[\w./<>-]+:\d+): )"
+_MARKER = r"^:(job_id|actor_name|task_name):(.*)$"
+
+_WORKER_FILE = re.compile(r"(?:^|/)worker-(?P<wid>[0-9a-f]{8,})-(?P<job>[0-9a-f]{8})-(?P<pid>\d+)\.(?:out|err)$")
+_CORE_FILE = re.compile(r"(?:^|/)python-core-(?:worker|driver)-(?P<wid>[0-9a-f]+)_(?P<pid>\d+)\.log$")
+_DAEMON_FILE = re.compile(r"(?:^|/)(?P<name>raylet|gcs_server|monitor|log_monitor|dashboard|dashboard_agent|runtime_env_agent)(?:\.\d+)?\.(?:out|err|log)$")
+_EVENT_FILE = re.compile(r"(?:^|/)events/event_(?P<name>[A-Z_]+?)(?:_(?P<pid>\d+))?\.log$")
+
+
+def file_hints(path: str) -> dict:
+    """What a Ray session file's name says: its role, pid, worker and job ids."""
+    m = _WORKER_FILE.search(path)
+    if m:
+        return {"format": "ray_worker", "pid": int(m["pid"]), "worker_id": m["wid"], "job_id": m["job"]}
+    m = _CORE_FILE.search(path)
+    if m:
+        return {"format": "ray_core_worker", "pid": int(m["pid"]), "worker_id": m["wid"]}
+    m = _EVENT_FILE.search(path)
+    if m:
+        return {"format": "ray_events", "pid": int(m["pid"]) if m["pid"] else None}
+    m = _DAEMON_FILE.search(path)
+    if m:
+        return {"format": f"ray_{m['name']}" if not m["name"].startswith("ray") else m["name"], "actor": m["name"]}
+    return {}
+
+
+def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    df = apply_header(df, PY, "ray_py", {
+        "ts": parse_ts(g("ts")),
+        "ts_quality": pl.lit("full"),
+        "level": normalise_level(g("level")),
+        "logger": g("logger"),
+    })
+    df = apply_header(df, CPP, "ray_cpp", {
+        "ts": parse_ts(g("ts")),
+        "ts_quality": pl.lit("full"),
+        "level": normalise_level(g("level")),
+        "logger": g("logger"),
+        "pid": coalesce_into("pid", g("pid").cast(pl.Int64)),
+        "tid": g("tid").cast(pl.Int64),
+        "actor": coalesce_into("actor", g("comp")),
+    })
+    if ctx.fmt == "ray_worker":
+        df = _worker_markers(df, ctx)
+    return df, {}
+
+
+def _worker_markers(df: pl.DataFrame, ctx: FileContext) -> pl.DataFrame:
+    """``:actor_name:X`` sets the actor for the lines that follow it (until the next marker)."""
+    m = df.get_column("message").str.extract_groups(_MARKER)
+    kind, value = m.struct.field("1"), m.struct.field("2")
+    if kind.is_null().all():
+        if ctx.actor is None:
+            return df
+        return df.with_columns(pl.coalesce(pl.col("actor"), pl.lit(ctx.actor)).alias("actor"))
+    prev = ctx.actor
+    owner = pl.when(kind.is_in(["actor_name", "task_name"])).then(value)
+    df = df.with_columns(owner.alias("_owner"), kind.is_not_null().alias("_mk"))
+    df = df.with_columns(pl.col("_owner").forward_fill().fill_null(pl.lit(prev, pl.String)))
+    owners = df.get_column("_owner").drop_nulls()
+    if owners.len():
+        ctx.actor = owners[-1]  # the next chunk continues with the last owner
+    return df.with_columns(
+        pl.coalesce(pl.col("_owner"), pl.col("actor")).alias("actor"),
+        pl.when(pl.col("_mk")).then(pl.lit("ray_marker")).otherwise(pl.col("header")).alias("header"),
+    ).drop("_owner", "_mk")

@@ -1,0 +1,298 @@
+"""Text logs: split a byte stream into physical lines and run the line-format modules.
+
+Every text file becomes rows of the ``lines`` table, one per physical line (lines end
+at ``\\n`` only; a ``\\r`` inside a line does not split it; a last line without
+``\\n`` still counts). The file is read in bounded chunks cut at a newline, so
+memory does not grow with the file size.
+
+Each chunk goes through the line-format modules in ``LINE_FORMATS`` order. A module
+is a function ``annotate(df, ctx) -> (df, extra_tables)``: it recognises its prefix
+or header on ``message``, fills provenance columns, strips what it recognised from
+``message`` and may emit rows of its own tables. Modules never drop or add lines.
+"""
+from __future__ import annotations
+
+from typing import BinaryIO, Callable, Iterator
+
+import polars as pl
+import pyarrow as pa
+
+from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
+
+LINES = Table(
+    "lines",
+    "Every physical line of every text file, parsed or not. `message` is the line with "
+    "the prefixes and headers that were recognised removed; `text` is the line as written.",
+    (
+        FILE_ID,
+        LINE_NO,
+        col("byte_offset", pa.int64(), "Byte offset of the line start in the file."),
+        col("ts", pa.timestamp("us"), "When the line was written, UTC-naive: printed on the line, or inherited from the nearest earlier stamped line of the file (see `ts_quality`). Null when the file has no stamp before it."),
+        col("ts_quality", pa.string(), "`full` (date and time printed), `no_year`/`year_inferred` (the format prints no year: taken from other stamps of the same file, else from the run), `inherited` (the line has no stamp: copied from the nearest earlier stamped line of the same file), or null."),
+        col("level", pa.string(), "Severity normalised to DEBUG/INFO/WARNING/ERROR/FATAL when the header has one."),
+        col("header", pa.string(), "Which line header was recognised: ray_py, ray_cpp, glog, glog_bracket, vllm, sglang, pylog, nccl, kernel, ... (null: none)."),
+        col("logger", pa.string(), "Source location or logger named by the header (`file.py:123`, `ProcessGroupNCCL.cpp:616`, `raylet`)."),
+        col("actor", pa.string(), "Ray actor class / process role (`WorkerDict`, `TaskRunner`, `raylet`, `EngineCore_0`), from the line prefix or the file."),
+        col("pid", pa.int64(), "Process id, from the line prefix/header or the file name."),
+        col("tid", pa.int64(), "Thread id when the header prints one."),
+        col("node", pa.string(), "Host name or IP of the process that wrote the line, when known."),
+        col("rank", pa.int32(), "Global rank, from a `[rankN]:` prefix, the file path or the header."),
+        col("local_rank", pa.int32(), "Local rank from a torchrun `[defaultN]:` tee prefix."),
+        col("repeat", pa.int32(), "Ray log deduplication: the line stands for this many (`[repeated Nx across cluster]`)."),
+        col("event_line", pa.int64(), "For lines that belong to a multi-line event (a Python traceback), the line_no of its first line; else null."),
+        col("message", pa.string(), "The line without recognised prefixes/headers and ANSI escapes; for lines with `\\r` (progress bars) the last non-empty `\\r` segment."),
+        col("text", pa.string(), "The raw line as decoded (UTF-8; undecodable bytes as U+FFFD), without its `\\n`."),
+    ),
+)
+
+CHUNK_BYTES = 16 << 20
+
+# A line-format module: (lines chunk, ctx) -> (lines chunk, {table: frame}).
+Annotator = Callable[[pl.DataFrame, FileContext], tuple[pl.DataFrame, dict[str, pl.DataFrame]]]
+
+_ANSI = r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07"
+
+
+def iter_chunks(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Yield byte chunks that end just after a ``\\n`` (the last one may not)."""
+    rest = b""
+    while True:
+        block = stream.read(chunk_bytes)
+        if not block:
+            if rest:
+                yield rest
+            return
+        data = rest + block if rest else block
+        cut = data.rfind(b"\n")
+        if cut < 0:
+            rest = data
+            if len(rest) > 8 * chunk_bytes:  # one enormous line: emit it in pieces
+                yield rest  # a caller sees it as one (long) partial line
+                rest = b""
+            continue
+        yield data[: cut + 1]
+        rest = data[cut + 1 :]
+
+
+def split_lines(chunk: bytes, first_line: int, first_offset: int) -> tuple[pl.DataFrame, int]:
+    """Split one chunk into (line_no, byte_offset, text); return also the count of bad bytes."""
+    body = chunk[:-1] if chunk.endswith(b"\n") else chunk
+    try:
+        decoded = body.decode("utf-8")
+        bad = 0
+        texts = pl.Series("text", [decoded], dtype=pl.String).str.split("\n").explode()
+        sizes = texts.str.len_bytes().cast(pl.Int64)
+    except UnicodeDecodeError:
+        raw = body.split(b"\n")
+        sizes = pl.Series("sizes", [len(r) for r in raw], dtype=pl.Int64)
+        decoded_lines = [r.decode("utf-8", "replace") for r in raw]
+        bad = sum(1 for r, d in zip(raw, decoded_lines) if "\ufffd" in d and b"\xef\xbf\xbd" not in r)
+        texts = pl.Series("text", decoded_lines, dtype=pl.String)
+    n = len(texts)
+    offsets = (sizes + 1).cum_sum().shift(1, fill_value=0) + first_offset
+    df = pl.DataFrame(
+        {
+            "line_no": pl.int_range(first_line, first_line + n, eager=True, dtype=pl.Int64),
+            "byte_offset": offsets,
+            "text": texts,
+        }
+    )
+    return df, bad
+
+
+def base_columns(df: pl.DataFrame, ctx: FileContext) -> pl.DataFrame:
+    """Add the provenance columns with the file-level hints and a cleaned ``message``."""
+    msg = pl.col("text").str.replace_all(_ANSI, "")
+    # progress bars: keep the last non-empty \r segment
+    last_seg = msg.str.replace(r"\r+$", "").str.extract(r"([^\r]*)$", 1)
+    return df.with_columns(
+        pl.lit(ctx.file_id, pl.Int32).alias("file_id"),
+        pl.lit(None, pl.Datetime("us")).alias("ts"),
+        pl.lit(None, pl.String).alias("ts_quality"),
+        pl.lit(None, pl.String).alias("level"),
+        pl.lit(None, pl.String).alias("header"),
+        pl.lit(None, pl.String).alias("logger"),
+        pl.lit(ctx.actor, pl.String).alias("actor"),
+        pl.lit(ctx.pid, pl.Int64).alias("pid"),
+        pl.lit(None, pl.Int64).alias("tid"),
+        pl.lit(ctx.node, pl.String).alias("node"),
+        pl.lit(ctx.rank, pl.Int32).alias("rank"),
+        pl.lit(None, pl.Int32).alias("local_rank"),
+        pl.lit(None, pl.Int32).alias("repeat"),
+        pl.lit(None, pl.Int64).alias("event_line"),
+        pl.when(pl.col("text").str.contains("\r", literal=True)).then(last_seg).otherwise(msg).alias("message"),
+    )
+
+
+LEVELS = {
+    "I": "INFO", "W": "WARNING", "E": "ERROR", "F": "FATAL", "C": "FATAL", "D": "DEBUG",
+    "INFO": "INFO", "WARNING": "WARNING", "WARN": "WARNING", "ERROR": "ERROR",
+    "CRITICAL": "FATAL", "FATAL": "FATAL", "DEBUG": "DEBUG", "TRACE": "DEBUG",
+    "ABORT": "FATAL", "NOTICE": "INFO", "ERR": "ERROR",
+}
+
+
+def normalise_level(expr: pl.Expr) -> pl.Expr:
+    return expr.str.to_uppercase().replace_strict(LEVELS, default=None, return_dtype=pl.String)
+
+
+def apply_header(
+    df: pl.DataFrame,
+    pattern: str,
+    name: str,
+    fields: dict[str, pl.Expr],
+    only_unset: bool = True,
+) -> pl.DataFrame:
+    """Recognise one header ``pattern`` (anchored, with a ``(?P<h>...)`` group spanning the
+    whole header) on ``message``; where it matches, set ``fields`` (expressions over the
+    struct column ``_m`` holding the named groups), set ``header`` and strip the header.
+
+    Rows already claimed by an earlier header are left alone when ``only_unset``.
+    """
+    m = df.get_column("message").str.extract_groups(pattern)
+    hit = m.struct.field("h").is_not_null()
+    if only_unset:
+        hit = hit & df.get_column("header").is_null()
+    if not hit.any():
+        return df
+    df = df.with_columns(m.alias("_m"), hit.alias("_hit"))
+    updates = [
+        pl.when(pl.col("_hit")).then(expr).otherwise(pl.col(c)).alias(c) for c, expr in fields.items()
+    ]
+    updates.append(pl.when(pl.col("_hit")).then(pl.lit(name)).otherwise(pl.col("header")).alias("header"))
+    updates.append(
+        pl.when(pl.col("_hit"))
+        .then(pl.col("message").str.slice(pl.col("_m").struct.field("h").str.len_chars()))
+        .otherwise(pl.col("message"))
+        .alias("message")
+    )
+    return df.with_columns(updates).drop("_m", "_hit")
+
+
+def g(name: str) -> pl.Expr:
+    """The named group ``name`` of the current header match."""
+    return pl.col("_m").struct.field(name)
+
+
+def coalesce_into(column: str, expr: pl.Expr) -> pl.Expr:
+    """Keep an existing value of ``column``; otherwise take ``expr``."""
+    return pl.coalesce(pl.col(column), expr)
+
+
+def parse_ts(expr: pl.Expr) -> pl.Expr:
+    """Parse ``YYYY-MM-DD HH:MM:SS[.fraction]`` (``,`` or ``T`` accepted)."""
+    return (
+        expr.str.replace(",", ".", literal=True)
+        .str.replace("T", " ", literal=True)
+        .str.to_datetime("%Y-%m-%d %H:%M:%S%.f", strict=False, time_unit="us")
+    )
+
+
+YEARLESS = 2000  # placeholder year for formats that print none (a leap year: Feb 29 parses)
+
+
+def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
+    """Group Python tracebacks into one multi-line event: ``event_line`` = first line.
+
+    A traceback starts at ``Traceback (most recent call last):`` and runs over the
+    indented frame lines up to and including the first non-indented line (the
+    exception). Interleaved streams (different pid/rank prefixes) are followed apart.
+    """
+    msg = pl.col("message")
+    start = msg.str.contains(r"^\s*Traceback \(most recent call last\):")
+    if not df.select(start.any()).item():
+        return df
+    key = [pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
+    indented = msg.str.contains(r"^(?:\s|\^|~)") | (msg.str.strip_chars() == "")
+    tmp = df.with_columns(
+        start.alias("_st"),
+        (~start & ~indented).alias("_br"),
+        pl.when(start).then(pl.col("line_no")).alias("_sl"),
+    ).with_columns(
+        pl.col("_sl").forward_fill().over(key).alias("_sl"),
+        pl.col("_br").cast(pl.Int32).cum_sum().over(key).alias("_cb"),
+    )
+    tmp = tmp.with_columns(
+        pl.when(pl.col("_st")).then(pl.col("_cb")).forward_fill().over(key).alias("_cb0")
+    )
+    since = pl.col("_cb") - pl.col("_cb0")
+    inside = pl.col("_sl").is_not_null() & ((since == 0) | ((since == 1) & pl.col("_br")))
+    return tmp.with_columns(
+        pl.when(inside).then(pl.col("_sl")).otherwise(pl.col("event_line")).alias("event_line")
+    ).drop("_st", "_br", "_sl", "_cb", "_cb0")
+
+
+def line_formats() -> list[Annotator]:
+    # Imported here so that each format module can import this one.
+    from . import kernel, nccl, ray_driver, ray_logs, torch_distributed, torchrun, verl_metrics, vllm, headers
+
+    return [
+        ray_driver.annotate,  # (Actor pid=, ip=) prefixes, dedup markers
+        torchrun.annotate,  # [defaultN]: / [rankN]: prefixes, ChildFailedError
+        ray_logs.annotate,  # Ray python / C++ headers, worker-file markers
+        nccl.annotate,  # host:pid:tid [dev] NCCL ...
+        torch_distributed.annotate,  # c10d glog lines, watchdog timeouts
+        vllm.annotate,  # vLLM / SGLang headers and stats
+        kernel.annotate,  # dmesg / kern.log / journalctl
+        headers.annotate,  # generic python logging / ISO timestamp headers
+        verl_metrics.annotate,  # step:N - key:value lines
+    ]
+
+
+def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTES) -> ParseOutput:
+    """Parse a text log into ``lines`` plus the tables of the line-format modules."""
+    formats = line_formats()
+    line_no = ctx.start_line
+    offset = ctx.start_offset
+    year_hint: int | None = None
+    last_ts = None
+    for chunk in iter_chunks(stream, chunk_bytes):
+        df, bad = split_lines(chunk, line_no, offset)
+        if bad:
+            ctx.problem(f"{bad} line(s) with bytes that are not UTF-8 (kept, shown as U+FFFD)", int(df["line_no"][0]), "warning")
+        line_no += df.height
+        offset += len(chunk)
+        df = base_columns(df, ctx)
+        extras: dict[str, list[pl.DataFrame]] = {}
+        for annotate in formats:
+            df, more = annotate(df, ctx)
+            for name, frame in more.items():
+                if frame is not None and frame.height:
+                    extras.setdefault(name, []).append(frame)
+        df = mark_tracebacks(df)
+        df, year_hint, last_ts = _finish_timestamps(df, year_hint, last_ts)
+        ctx.lines += df.height
+        ctx.unparsed_lines += int(df.select(
+            pl.col("header").is_null() & pl.col("event_line").is_null() & pl.col("message").str.strip_chars().ne("")
+        ).sum().item())
+        yield "lines", df.select([c.name for c in LINES.columns])
+        for name, frames in extras.items():
+            yield name, pl.concat(frames, how="diagonal_relaxed")
+
+
+def _finish_timestamps(df: pl.DataFrame, year_hint: int | None, last_ts):
+    """Year-less stamps take the year of the file's full stamps when it has some (the
+    store fixes the rest run-wide); stamp-less lines inherit the previous stamp."""
+    full = df.filter(pl.col("ts_quality") == "full").get_column("ts")
+    if year_hint is None and full.len():
+        year_hint = full.dt.year().min()
+    if year_hint is not None and (df.get_column("ts_quality") == "no_year").any():
+        df = df.with_columns(
+            pl.when(pl.col("ts_quality") == "no_year")
+            .then(pl.col("ts").dt.offset_by(f"{year_hint - YEARLESS}y"))
+            .otherwise(pl.col("ts"))
+            .alias("ts"),
+            pl.when(pl.col("ts_quality") == "no_year").then(pl.lit("year_inferred")).otherwise(pl.col("ts_quality")).alias("ts_quality"),
+        )
+    has = pl.col("ts").is_not_null()
+    filled = pl.col("ts").forward_fill()
+    if last_ts is not None:
+        filled = filled.fill_null(pl.lit(last_ts, pl.Datetime("us")))
+    df = df.with_columns(
+        pl.when(has).then(pl.col("ts_quality")).when(filled.is_not_null()).then(pl.lit("inherited")).alias("ts_quality"),
+        filled.alias("ts"),
+    )
+    tail = df.get_column("ts").drop_nulls()
+    if tail.len():
+        last_ts = tail[-1]
+    return df, year_hint, last_ts

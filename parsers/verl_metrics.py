@@ -1,0 +1,133 @@
+"""verl training metrics: console lines and JSON Lines files.
+
+* Console (``trainer.logger=console``, verl/utils/logger/aggregate_logger.py):
+  ``step:12 - actor/entropy:0.61 - actor/pg_loss:-0.01 - ...``. Values come either
+  formatted (``0.610000``) or as reprs (``0.6099812``, ``nan``, ``inf``,
+  ``np.float64(0.61)``, ``np.int64(3)``, ``True``).
+* JSON Lines: ``{"step": N, "data": {...}}`` (verl's file logger) or flat rows
+  ``{"step": N, "actor/pg_loss": ...}`` / wandb exports with ``_step``. Python's json
+  writes ``NaN`` / ``Infinity`` literals, which strict JSON parsers refuse.
+"""
+from __future__ import annotations
+
+import json
+import math
+from typing import BinaryIO
+
+import polars as pl
+import pyarrow as pa
+
+from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
+
+METRICS = Table(
+    "metrics",
+    "One row per (step, metric) reported by the run: verl console/JSONL metrics and "
+    "engine statistics (vLLM periodic stats, KV-cache capacity).",
+    (
+        FILE_ID,
+        LINE_NO,
+        col("ts", pa.timestamp("us"), "When the value was logged, if known."),
+        col("step", pa.int64(), "Training step (null for engine statistics that are not per step)."),
+        col("key", pa.string(), "Metric name as logged (`actor/grad_norm`, `timing_s/gen`, `vllm/gen_throughput`)."),
+        col("value", pa.float64(), "Numeric value (NaN and +/-Inf kept); null when the value is not numeric."),
+        col("value_text", pa.string(), "The value as printed."),
+        col("source", pa.string(), "`console`, `jsonl`, `vllm`, `sglang`."),
+        col("rank", pa.int32(), "Rank that logged it, when known."),
+        col("pid", pa.int64(), "Process that logged it, when known."),
+        col("actor", pa.string(), "Ray actor / process role that logged it, when known."),
+    ),
+)
+
+_STEP_LINE = r"^step:(\d+) - "
+_NUMERIC_WRAPPER = r"^(?:np\.|numpy\.)?(?:float|int|uint|bool_)\d*\((.*)\)$|^tensor\((.*?)(?:, .*)?\)$"
+
+
+def numeric_value(text: pl.Expr) -> pl.Expr:
+    """Parse a printed metric value into a float (NaN/Inf kept, reprs unwrapped)."""
+    inner = text.str.strip_chars()
+    unwrapped = pl.coalesce(inner.str.extract(_NUMERIC_WRAPPER, 1), inner.str.extract(_NUMERIC_WRAPPER, 2), inner)
+    lowered = unwrapped.str.to_lowercase().replace({"true": "1", "false": "0", "infinity": "inf", "-infinity": "-inf"})
+    return lowered.cast(pl.Float64, strict=False)
+
+
+def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    msg = df.get_column("message")
+    hit = msg.str.contains(_STEP_LINE)
+    if not hit.any():
+        return df, {}
+    sub = df.filter(hit).select("file_id", "line_no", "ts", "rank", "pid", "actor", "message")
+    pairs = (
+        sub.with_columns(pl.col("message").str.extract(_STEP_LINE, 1).cast(pl.Int64).alias("step"))
+        .with_columns(pl.col("message").str.strip_chars_end().str.split(" - ").alias("kv"))
+        .explode("kv")
+        .with_columns(
+            pl.col("kv").str.extract(r"^(.*?):([^:]*)$", 1).alias("key"),
+            pl.col("kv").str.extract(r"^(.*?):([^:]*)$", 2).alias("value_text"),
+        )
+        .filter(pl.col("key").is_not_null() & (pl.col("key") != "step"))
+        .with_columns(numeric_value(pl.col("value_text")).alias("value"), pl.lit("console").alias("source"))
+        .drop("message", "kv")
+    )
+    return df, {"metrics": pairs}
+
+
+def _json_loads(text: str):
+    return json.loads(text, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
+
+
+def metric_rows(obj: dict, file_id: int, line_no: int) -> list[dict]:
+    """Rows for one JSONL record, in either layout."""
+    step = obj.get("step", obj.get("_step", obj.get("global_step")))
+    data = obj.get("data") if isinstance(obj.get("data"), dict) else obj
+    rows = []
+    for key, value in data.items():
+        if key in ("step", "_step", "global_step") and data is obj:
+            continue
+        if isinstance(value, bool):
+            num = float(value)
+        elif isinstance(value, (int, float)):
+            num = float(value)
+        else:
+            num = None
+        rows.append({
+            "file_id": file_id, "line_no": line_no, "step": step if isinstance(step, int) else None,
+            "key": str(key), "value": num, "value_text": value if isinstance(value, str) else json.dumps(value),
+            "source": "jsonl",
+        })
+    return rows
+
+
+def parse_jsonl(stream: BinaryIO, ctx: FileContext) -> ParseOutput:
+    """Metrics JSONL: every line into ``lines`` (text pipeline) plus ``metrics`` rows."""
+    from .text import parse_text
+
+    bad = 0
+    for name, frame in parse_text(stream, ctx):
+        if name != "lines":
+            yield name, frame
+            continue
+        rows: list[dict] = []
+        ok_lines: list[int] = []
+        for line_no, text in frame.select("line_no", "text").iter_rows():
+            body = text.strip()
+            if not body:
+                continue
+            try:
+                obj = _json_loads(body)
+            except (ValueError, KeyError) as exc:
+                bad += 1
+                if bad <= 20:
+                    ctx.problem(f"line {line_no}: not a JSON record ({exc})", line_no, "warning")
+                continue
+            ok_lines.append(line_no)
+            if isinstance(obj, dict):
+                rows.extend(metric_rows(obj, ctx.file_id, line_no))
+        if ok_lines:
+            claimed = pl.col("line_no").is_in(ok_lines)
+            ctx.unparsed_lines -= frame.filter(claimed & pl.col("header").is_null()).height
+            frame = frame.with_columns(pl.when(claimed).then(pl.lit("json")).otherwise(pl.col("header")).alias("header"))
+        yield name, frame
+        if rows:
+            yield "metrics", pl.DataFrame(rows, schema_overrides={k: v for k, v in METRICS.polars_schema.items() if k in rows[0]}, infer_schema_length=None)
+    if bad > 20:
+        ctx.problem(f"{bad} lines in all were not JSON records", None, "warning")
