@@ -53,11 +53,12 @@ def ingest(
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
+    exclude: list[str] | None = None,
 ) -> Run:
     """Ingest folders / files / bundles into ``db`` and return the opened :class:`Run`."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug)
+    summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude)
     run = Run(db)
     run.last_ingest = summary
     return run

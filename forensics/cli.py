@@ -57,6 +57,7 @@ def ingest(
     workers: int = typer.Option(0, "--workers", "-j", help="Parser processes (0 = number of cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    exclude: List[str] = typer.Option([], "--exclude", "-x", help="Glob of files not to read (matched against the relative path and the name); repeatable."),
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
@@ -68,9 +69,9 @@ def ingest(
                 def progress(done: int, total: int, rel: str) -> None:
                     bar.update(task, completed=done, total=total, description=rel[-60:])
 
-                summary = pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug)
+                summary = pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
         else:
-            summary = pipeline.ingest(paths, db, workers=workers or None, debug=State.debug)
+            summary = pipeline.ingest(paths, db, workers=workers or None, debug=State.debug, exclude=exclude)
     except StoreLocked as exc:
         _fail(str(exc))
         return

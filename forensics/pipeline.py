@@ -7,6 +7,7 @@ chunk size, not by the size of a file or of the whole input.
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -349,8 +350,12 @@ def ingest(
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
+    exclude: list[str] | None = None,
 ) -> IngestSummary:
-    """Ingest folders, files and bundles into the DuckDB database ``db``."""
+    """Ingest folders, files and bundles into the DuckDB database ``db``.
+
+    ``exclude``: glob patterns; a file whose relative path or name matches one is not read.
+    """
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
     store = Store(db)
@@ -381,6 +386,8 @@ def ingest(
                     summary.messages.append(f"{given}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
                 walk_root = str(dest)
             for abs_path, rel in walk(walk_root, summary.messages, skip):
+                if exclude and any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in exclude):
+                    continue
                 summary.files_seen += 1
                 decision = plan(store, root, abs_path, rel, next_id, summary)
                 if decision is None:

@@ -1,0 +1,9 @@
+-- `log`: every line with its file's path and format, the convenient way to read logs.
+--
+-- ```sql
+-- SELECT path, line_no, ts, rank, level, message FROM log
+-- WHERE level IN ('ERROR', 'FATAL') ORDER BY ts LIMIT 50;
+-- ```
+CREATE OR REPLACE VIEW log AS
+SELECT f.path, f.format, l.*
+FROM lines l JOIN files f USING (file_id);
