@@ -48,6 +48,7 @@ class FileTask:
     start_line: int = 1
     start_offset: int = 0
     replace_from_line: int | None = None  # None: full (re)load
+    is_new: bool = True  # no rows of this file_id in the database yet
 
 
 @dataclass
@@ -258,11 +259,11 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
         # truncated gzip and the like: keep what was parsed before the failure
         ctx.truncated = True
         ctx.problem(f"stopped reading: {exc.__class__.__name__}: {exc}", None, "truncated")
-        sha = hasher.hexdigest()
+        sha = _file_sha_or_empty(task.abs_path)
     except Exception as exc:  # a parser bug: report it for this file, go on with the others
         error = f"{exc.__class__.__name__}: {exc}"
         dbg = traceback.format_exc()
-        sha = hasher.hexdigest()
+        sha = _file_sha_or_empty(task.abs_path)
     problems = [
         {"file_id": task.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message}
         for p in ctx.problems
@@ -293,6 +294,14 @@ def _file_sha(path: str) -> str:
     return h.hexdigest()
 
 
+def _file_sha_or_empty(path: str) -> str:
+    """Hash of the whole file after a failed parse (so an unchanged file is not retried)."""
+    try:
+        return _file_sha(path)
+    except OSError:
+        return ""
+
+
 def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=timezone.utc).replace(tzinfo=None)
 
@@ -321,7 +330,7 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
             "pid": d.pid, "rank": d.rank, "actor": d.actor, "status": "skipped", "message": d.reason,
             "ingested_at": _utc(time.time()),
         }
-    task = FileTask(next_id() if known is None else known.file_id, root, rel, abs_path, st.st_size, st.st_mtime, d)
+    task = FileTask(next_id() if known is None else known.file_id, root, rel, abs_path, st.st_size, st.st_mtime, d, is_new=known is None)
     if known is None:
         return task
     if known.bytes == st.st_size and known.sha256 and _file_sha(abs_path) == known.sha256:
@@ -372,6 +381,7 @@ def ingest(
             return v
 
         tasks: list[FileTask] = []
+        skipped_rows: list[dict] = []
         for given in paths:
             if not os.path.exists(given):
                 summary.messages.append(f"{given}: no such file or folder")
@@ -393,11 +403,21 @@ def ingest(
                 if decision is None:
                     summary.files_unchanged += 1
                 elif isinstance(decision, dict):
-                    store.record_skipped(decision)
+                    skipped_rows.append(decision)
                     summary.files_by_format[decision["format"]] = summary.files_by_format.get(decision["format"], 0) + 1
                 else:
                     tasks.append(decision)
+        if skipped_rows:
+            store.begin()
+            try:
+                for row in skipped_rows:
+                    store.record_skipped(row)
+                store.commit()
+            except BaseException:
+                store.rollback()
+                raise
         spool = tempfile.mkdtemp(prefix="spool-", dir=tmp_root)
+        batch = _Batch(store)
         total = len(tasks)
         done = 0
         # biggest files first keeps the pool busy
@@ -406,7 +426,7 @@ def ingest(
         def finish(res: FileResult) -> None:
             nonlocal done
             done += 1
-            _load(store, res, summary, debug)
+            batch.add(_load(store, res, summary, debug, batch))
             for paths_ in res.parts.values():
                 for p in paths_:
                     try:
@@ -416,25 +436,12 @@ def ingest(
             if progress:
                 progress(done, total, res.task.rel)
 
-        if workers <= 1 or total <= 1:
-            for task in tasks:
-                finish(parse_one(task, spool, debug))
-        else:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
-                pending: set[Future] = set()
-                it = iter(tasks)
-                # keep a bounded number of parsed-but-not-loaded files in flight
-                for task in it:
-                    pending.add(pool.submit(parse_one, task, spool, debug))
-                    if len(pending) >= workers * 2:
-                        break
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        finish(fut.result())
-                        nxt = next(it, None)
-                        if nxt is not None:
-                            pending.add(pool.submit(parse_one, nxt, spool, debug))
+        try:
+            _run_tasks(tasks, spool, workers, debug, finish)
+            batch.close()
+        except BaseException:
+            batch.abort()
+            raise
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()
     finally:
@@ -444,7 +451,67 @@ def ingest(
     return summary
 
 
-def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> None:
+class _Batch:
+    """Group small files into one transaction (commit every few files / rows /
+    seconds): each commit is atomic, so an interrupted ingest loses at most the
+    uncommitted group, and a re-run redoes exactly those files."""
+
+    MAX_FILES, MAX_ROWS, MAX_SECONDS = 64, 2_000_000, 2.0
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.open = False
+        self.files = self.rows = 0
+        self.t0 = 0.0
+
+    def ensure(self) -> None:
+        if not self.open:
+            self.store.begin()
+            self.open, self.files, self.rows, self.t0 = True, 0, 0, time.perf_counter()
+
+    def add(self, rows: int) -> None:
+        self.files += 1
+        self.rows += rows
+        if self.files >= self.MAX_FILES or self.rows >= self.MAX_ROWS or time.perf_counter() - self.t0 > self.MAX_SECONDS:
+            self.close()
+
+    def close(self) -> None:
+        if self.open:
+            self.store.commit()
+            self.open = False
+
+    def abort(self) -> None:
+        if self.open:
+            self.open = False
+            self.store.rollback()
+
+
+def _run_tasks(tasks: list[FileTask], spool: str, workers: int, debug: bool, finish: Callable[[FileResult], None]) -> None:
+    """Parse ``tasks`` (in a process pool when there is more than one worker) and hand
+    each result to ``finish`` in the main process, the only database writer."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            finish(parse_one(task, spool, debug))
+        return
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        pending: set[Future] = set()
+        it = iter(tasks)
+        # keep a bounded number of parsed-but-not-loaded files in flight
+        for task in it:
+            pending.add(pool.submit(parse_one, task, spool, debug))
+            if len(pending) >= workers * 2:
+                break
+        while pending:
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                finish(fut.result())
+                nxt = next(it, None)
+                if nxt is not None:
+                    pending.add(pool.submit(parse_one, nxt, spool, debug))
+
+
+def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool, batch: _Batch) -> int:
+    """Load one parsed file into the open batch transaction; return its row count."""
     task, d = res.task, res.task.detected
     lines_total = res.lines + (task.start_line - 1)
     status = "ok"
@@ -474,10 +541,12 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
         if prev:
             row["unparsed_lines"] += int(prev[0] or 0)
             row["parse_errors"] += int(prev[1] or 0)
-    counts = store.load_file(row, res.parts, res.problems, task.replace_from_line)
+    batch.ensure()
+    counts = store.load_file(row, res.parts, res.problems, task.replace_from_line, is_new=task.is_new)
     for k, v in counts.items():
         summary.rows_added[k] = summary.rows_added.get(k, 0) + v
     summary.files_loaded += 1
     summary.bytes_read += task.size - task.start_offset
     summary.unparsed_lines += res.unparsed
     summary.files_by_format[d.format] = summary.files_by_format.get(d.format, 0) + 1
+    return sum(counts.values())

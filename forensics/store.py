@@ -179,66 +179,68 @@ class Store:
     def tables_with_file_rows(self) -> list[Table]:
         return [t for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != "files"]
 
+    def begin(self) -> None:
+        self.con.execute("BEGIN TRANSACTION")
+
+    def commit(self) -> None:
+        self.con.execute("COMMIT")
+
+    def rollback(self) -> None:
+        self.con.execute("ROLLBACK")
+
     def load_file(
         self,
         file_row: dict,
         parts: dict[str, list[str]],
         problems: list[dict],
         replace_from_line: int | None,
+        is_new: bool = False,
     ) -> dict[str, int]:
-        """Load one file's spooled parts and its ``files`` row in one transaction.
+        """Load one file's spooled parts and its ``files`` row. Call between
+        :meth:`begin` and :meth:`commit`: the rows and the ``files`` row land together.
 
         ``replace_from_line``: None = the file is new or fully re-parsed (all its old
-        rows go); N = a grown file, rows from line N on are replaced.
+        rows go); N = a grown file, rows from line N on are replaced. ``is_new``: the
+        file_id has no rows yet (nothing to delete).
         """
         con = self.con
         fid = file_row["file_id"]
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
-        con.execute("BEGIN TRANSACTION")
-        try:
+        if not is_new:
             for t in self.tables_with_file_rows():
                 if replace_from_line is None:
                     con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ?', [fid])
                 elif any(c.name == "line_no" for c in t.columns):
                     con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ? AND line_no >= ?', [fid, replace_from_line])
             con.execute("DELETE FROM files WHERE file_id = ?", [fid])
-            for name, paths in parts.items():
-                table = by_name.get(name)
-                if table is None:
-                    raise KeyError(f"parser produced rows for unknown table {name!r}")
-                for p in paths:
-                    with pa.memory_map(p) as source:
-                        arrow = ipc.open_file(source).read_all()
-                    con.register("_part", arrow)
-                    con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
-                    con.unregister("_part")
-                    counts[name] = counts.get(name, 0) + arrow.num_rows
-            if problems:
-                con.register("_probs", pa.Table.from_pylist(problems, schema=PROBLEMS.arrow_schema))
-                con.execute("INSERT INTO problems SELECT * FROM _probs")
-                con.unregister("_probs")
-            con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
-            con.execute("INSERT INTO files SELECT * FROM _file")
-            con.unregister("_file")
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+        for name, paths in parts.items():
+            table = by_name.get(name)
+            if table is None:
+                raise KeyError(f"parser produced rows for unknown table {name!r}")
+            for p in paths:
+                with pa.memory_map(p) as source:
+                    arrow = ipc.open_file(source).read_all()
+                con.register("_part", arrow)
+                con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
+                con.unregister("_part")
+                counts[name] = counts.get(name, 0) + arrow.num_rows
+        if problems:
+            con.register("_probs", pa.Table.from_pylist(problems, schema=PROBLEMS.arrow_schema))
+            con.execute("INSERT INTO problems SELECT * FROM _probs")
+            con.unregister("_probs")
+        con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
+        con.execute("INSERT INTO files SELECT * FROM _file")
+        con.unregister("_file")
         return counts
 
     def record_skipped(self, file_row: dict) -> None:
+        """Record a file that was not parsed (call inside a transaction)."""
         con = self.con
-        con.execute("BEGIN TRANSACTION")
-        try:
-            con.execute("DELETE FROM files WHERE file_id = ?", [file_row["file_id"]])
-            con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
-            con.execute("INSERT INTO files SELECT * FROM _file")
-            con.unregister("_file")
-            con.execute("COMMIT")
-        except BaseException:
-            con.execute("ROLLBACK")
-            raise
+        con.execute("DELETE FROM files WHERE file_id = ?", [file_row["file_id"]])
+        con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
+        con.execute("INSERT INTO files SELECT * FROM _file")
+        con.unregister("_file")
 
     def fix_yearless_timestamps(self) -> int:
         """Stamps printed without a year (glog, vLLM, syslog) in files that had no full

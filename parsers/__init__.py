@@ -6,6 +6,7 @@ is the whole database schema apart from the bookkeeping tables of ``forensics.st
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from typing import Callable
@@ -44,14 +45,20 @@ def parser_for(fmt: str) -> Parser | None:
     return None
 
 
-def all_tables() -> list[Table]:
+@functools.lru_cache(maxsize=1)
+def _collect_tables() -> tuple[Table, ...]:
     tables: dict[str, Table] = {}
     for info in pkgutil.iter_modules(__path__):
         mod = importlib.import_module(f"{__name__}.{info.name}")
         for value in vars(mod).values():
             if isinstance(value, Table):
                 tables.setdefault(value.name, value)
-    return list(tables.values())
+    return tuple(tables.values())
+
+
+def all_tables() -> list[Table]:
+    """Every table the parser modules declare (collected once per process)."""
+    return list(_collect_tables())
 
 
 __all__ = ["FileContext", "ParseOutput", "Table", "parser_for", "all_tables", "TEXT_FORMATS"]

@@ -30,7 +30,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         if not hit.any():
             continue
         df = df.with_columns(m.alias("_m"), hit.alias("_hit"))
-        has_pid = "pid" in [f.name for f in m.struct.fields]
+        has_pid = "pid" in m.struct.fields
         df = df.with_columns(
             pl.when(pl.col("_hit")).then(g("actor")).otherwise(pl.col("actor")).alias("actor"),
             (pl.when(pl.col("_hit")).then(g("pid").cast(pl.Int64)).otherwise(pl.col("pid")) if has_pid else pl.col("pid")).alias("pid"),

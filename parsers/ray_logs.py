@@ -43,7 +43,7 @@ def file_hints(path: str) -> dict:
         return {"format": "ray_events", "pid": int(m["pid"]) if m["pid"] else None}
     m = _DAEMON_FILE.search(path)
     if m:
-        return {"format": f"ray_{m['name']}" if not m["name"].startswith("ray") else m["name"], "actor": m["name"]}
+        return {"format": f"ray_{m['name']}", "actor": m["name"]}
     return {}
 
 

@@ -222,6 +222,20 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     ).drop("_st", "_br", "_sl", "_cb", "_cb0")
 
 
+def mark_continuations(df: pl.DataFrame) -> pl.DataFrame:
+    """In logs where (almost) every record starts with a header, a line without one
+    continues the record above it (Ray's multi-line stats dumps, wrapped messages):
+    ``event_line`` = the line_no of that record's header line."""
+    headed = pl.col("header").is_not_null()
+    share = df.select(headed.mean()).item() or 0.0
+    if share < 0.6:
+        return df
+    owner = pl.when(headed).then(pl.col("line_no")).forward_fill()
+    return df.with_columns(
+        pl.when(~headed & pl.col("event_line").is_null()).then(owner).otherwise(pl.col("event_line")).alias("event_line")
+    )
+
+
 def line_formats() -> list[Annotator]:
     # Imported here so that each format module can import this one.
     from . import kernel, nccl, ray_driver, ray_logs, torch_distributed, torchrun, verl_metrics, vllm, headers
@@ -260,6 +274,7 @@ def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTE
                 if frame is not None and frame.height:
                     extras.setdefault(name, []).append(frame)
         df = mark_tracebacks(df)
+        df = mark_continuations(df)
         df, year_hint, last_ts = _finish_timestamps(df, year_hint, last_ts)
         ctx.lines += df.height
         ctx.unparsed_lines += int(df.select(

@@ -91,7 +91,8 @@ def metric_rows(obj: dict, file_id: int, line_no: int) -> list[dict]:
             num = None
         rows.append({
             "file_id": file_id, "line_no": line_no, "step": step if isinstance(step, int) else None,
-            "key": str(key), "value": num, "value_text": value if isinstance(value, str) else json.dumps(value),
+            "key": str(key), "value": num,
+            "value_text": value if isinstance(value, str) else (repr(value) if num is not None else json.dumps(value)),
             "source": "jsonl",
         })
     return rows

@@ -1,0 +1,63 @@
+-- `error_lines`: every error or warning line with its file, process and effective level.
+-- `level` is the header's level when it is WARNING/ERROR/FATAL; for lines whose header
+-- printed no level it is inferred from the text: an exception line (`torch.OutOfMemoryError: ...`,
+-- `RuntimeError: ...`, `Error executing job ...`) is ERROR, a Python warning
+-- (`UserWarning: ...`) is WARNING (`level_inferred` tells which). `weight` counts Ray's
+-- deduplicated lines (`[repeated 8x across cluster]`) as the lines they stand for.
+--
+-- `errors_by_rank`: errors and warnings per (node, rank) per minute, with the first line of
+-- each bucket; unstamped lines fall in the bucket `minute IS NULL`.
+--
+-- ```sql
+-- SELECT rank, minute, errors, warnings, first_error FROM errors_by_rank
+-- WHERE errors > 0 ORDER BY minute, rank;
+-- -- the error lines themselves, earliest first
+-- SELECT path, line_no, ts, rank, level, message FROM error_lines
+-- WHERE level IN ('ERROR', 'FATAL') ORDER BY ts NULLS LAST, path, line_no LIMIT 20;
+-- ```
+CREATE OR REPLACE VIEW error_lines AS
+WITH classified AS (
+    SELECT
+        l.*,
+        CASE
+            WHEN l.level IN ('WARNING', 'ERROR', 'FATAL') THEN l.level
+            WHEN l.level IS NOT NULL THEN NULL
+            WHEN regexp_matches(l.message, '^\s*([A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(Error|Exception)(: |:$|$)')
+              OR regexp_matches(l.message, '^\s*(Error|ERROR|FATAL|Fatal error)[: ]') THEN 'ERROR'
+            WHEN regexp_matches(l.message, '(^|\s)([A-Za-z_][\w.]*\.)?[A-Z]\w*Warning: ') THEN 'WARNING'
+        END AS effective_level
+    FROM lines l
+)
+SELECT
+    f.path,
+    c.file_id,
+    c.line_no,
+    c.ts,
+    c.ts_quality,
+    coalesce(c.node, f.node) AS node,
+    coalesce(c.rank, f.rank) AS rank,
+    coalesce(c.pid, f.pid) AS pid,
+    coalesce(c.actor, f.actor) AS actor,
+    c.effective_level AS level,
+    c.level IS NULL AS level_inferred,
+    coalesce(c.repeat, 1) AS weight,
+    c.header,
+    c.logger,
+    c.message,
+    c.text
+FROM classified c JOIN files f USING (file_id)
+WHERE c.effective_level IS NOT NULL;
+
+CREATE OR REPLACE VIEW errors_by_rank AS
+SELECT
+    node,
+    rank,
+    date_trunc('minute', ts) AS minute,
+    sum(weight) FILTER (WHERE level IN ('ERROR', 'FATAL'))::BIGINT AS errors,
+    sum(weight) FILTER (WHERE level = 'WARNING')::BIGINT AS warnings,
+    min(ts) AS first_ts,
+    max(ts) AS last_ts,
+    arg_min(path || ':' || line_no || ' ' || message, (ts, path, line_no)) FILTER (WHERE level IN ('ERROR', 'FATAL')) AS first_error,
+    arg_min(path || ':' || line_no || ' ' || message, (ts, path, line_no)) AS first_line
+FROM error_lines
+GROUP BY ALL;
