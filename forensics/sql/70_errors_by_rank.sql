@@ -1,3 +1,6 @@
+-- `attributed_lines`: every line with its file's path and format and with node, pid, rank and
+-- actor taken from the line when it names them, else from its file's hints.
+--
 -- `error_lines`: every error or warning line with its file, process and effective level.
 -- `level` is the header's level when it is WARNING/ERROR/FATAL; for lines whose header
 -- printed no level it is inferred from the text: an exception line (`torch.OutOfMemoryError: ...`,
@@ -15,46 +18,55 @@
 -- SELECT path, line_no, ts, rank, level, message FROM error_lines
 -- WHERE level IN ('ERROR', 'FATAL') ORDER BY ts NULLS LAST, path, line_no LIMIT 20;
 -- ```
+CREATE OR REPLACE VIEW attributed_lines AS
+SELECT
+    f.path,
+    f.format,
+    l.file_id,
+    l.line_no,
+    l.ts,
+    l.ts_quality,
+    coalesce(l.node, f.node) AS node,
+    coalesce(l.rank, f.rank) AS rank,
+    coalesce(l.pid, f.pid) AS pid,
+    coalesce(l.actor, f.actor) AS actor,
+    l.level,
+    coalesce(l.repeat, 1) AS weight,
+    l.header,
+    l.logger,
+    l.event_line,
+    l.message,
+    l.text
+FROM lines l JOIN files f USING (file_id);
+
 CREATE OR REPLACE VIEW error_lines AS
 WITH classified AS (
     SELECT
-        l.*,
+        *,
         CASE
-            WHEN l.level IN ('WARNING', 'ERROR', 'FATAL') THEN l.level
-            WHEN l.level IS NOT NULL THEN NULL
-            WHEN regexp_matches(l.message, '^\s*([A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(Error|Exception)(: |:$|$)')
-              OR regexp_matches(l.message, '^\s*(Error|ERROR|FATAL|Fatal error)[: ]') THEN 'ERROR'
-            WHEN regexp_matches(l.message, '(^|\s)([A-Za-z_][\w.]*\.)?[A-Z]\w*Warning: ') THEN 'WARNING'
+            WHEN level IN ('WARNING', 'ERROR', 'FATAL') THEN level
+            WHEN level IS NOT NULL THEN NULL
+            WHEN regexp_matches(message, '^\s*([A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(Error|Exception)(: |:$|$)')
+              OR regexp_matches(message, '^\s*(Error|ERROR|FATAL|Fatal error)[: ]') THEN 'ERROR'
+            WHEN regexp_matches(message, '(^|\s)([A-Za-z_][\w.]*\.)?[A-Z]\w*Warning: ') THEN 'WARNING'
         END AS effective_level
-    FROM lines l
+    FROM attributed_lines
 )
 SELECT
-    f.path,
-    c.file_id,
-    c.line_no,
-    c.ts,
-    c.ts_quality,
-    coalesce(c.node, f.node) AS node,
-    coalesce(c.rank, f.rank) AS rank,
-    coalesce(c.pid, f.pid) AS pid,
-    coalesce(c.actor, f.actor) AS actor,
-    c.effective_level AS level,
-    c.level IS NULL AS level_inferred,
-    coalesce(c.repeat, 1) AS weight,
-    c.header,
-    c.logger,
-    c.message,
-    c.text
-FROM classified c JOIN files f USING (file_id)
-WHERE c.effective_level IS NOT NULL;
+    path, file_id, line_no, ts, ts_quality, node, rank, pid, actor,
+    effective_level AS level,
+    level IS NULL AS level_inferred,
+    weight, header, logger, message, text
+FROM classified
+WHERE effective_level IS NOT NULL;
 
 CREATE OR REPLACE VIEW errors_by_rank AS
 SELECT
     node,
     rank,
     date_trunc('minute', ts) AS minute,
-    sum(weight) FILTER (WHERE level IN ('ERROR', 'FATAL'))::BIGINT AS errors,
-    sum(weight) FILTER (WHERE level = 'WARNING')::BIGINT AS warnings,
+    coalesce(sum(weight) FILTER (WHERE level IN ('ERROR', 'FATAL')), 0)::BIGINT AS errors,
+    coalesce(sum(weight) FILTER (WHERE level = 'WARNING'), 0)::BIGINT AS warnings,
     min(ts) AS first_ts,
     max(ts) AS last_ts,
     arg_min(path || ':' || line_no || ' ' || message, (ts, path, line_no)) FILTER (WHERE level IN ('ERROR', 'FATAL')) AS first_error,
