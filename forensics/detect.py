@@ -17,7 +17,8 @@ from parsers import ray_logs, torchrun
 
 SNIFF_BYTES = 64 * 1024
 
-_NODE_DIR = re.compile(r"^(?:node|host)[_-](?P<name>.+)$", re.I)
+_NODE_DIR = re.compile(r"^(?:node|host)_(?P<name>.+)$", re.I)  # node_<host>/
+_NODE_NAMED = re.compile(r"^(?:node|host)-?[\w.-]+$", re.I)  # a folder named like a host: node-23/
 _NODE_PARENTS = {"nodes", "hosts", "ray_logs", "node_logs", "machines"}
 _NOT_NODES = re.compile(r"^(?:session_.*|session_latest|logs|events|export_events|old|profiler|trace|traces|nccl_debug|torchrun_logs|attempt_\d+|\d+|none_.*)$")
 
@@ -57,6 +58,8 @@ def node_from_path(rel: str) -> str | None:
         if m:
             return m.group("name")
         if i > 0 and parts[i - 1].lower() in _NODE_PARENTS and not _NOT_NODES.match(p):
+            return p
+        if _NODE_NAMED.match(p) and not _NOT_NODES.match(p):
             return p
     return None
 

@@ -19,7 +19,7 @@ from .text import g
 _WORKER = (
     r"^(?P<h>\((?:(?P<actor>[A-Za-z_][\w.<>\-]*) )?pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
 )
-_SYSTEM = r"^(?P<h>\((?P<actor>raylet|autoscaler|gcs_server|monitor|dashboard\w*|log_monitor)(?:[ ,][^)]*?)?(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
+_SYSTEM = r"^(?P<h>\((?P<actor>raylet|autoscaler|gcs_server|monitor|dashboard\w*|log_monitor)(?:, ip=(?P<ip>[^)\s,]+)|[ ,][^)]*)?\) ?)"
 _DEDUP = r" ?\[repeated (\d+)x across cluster\](?: \(Ray deduplicates logs by default\..*)?$"
 
 

@@ -222,13 +222,13 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     ).drop("_st", "_br", "_sl", "_cb", "_cb0")
 
 
-def mark_continuations(df: pl.DataFrame) -> pl.DataFrame:
+def mark_continuations(df: pl.DataFrame, always: bool = False) -> pl.DataFrame:
     """In logs where (almost) every record starts with a header, a line without one
     continues the record above it (Ray's multi-line stats dumps, wrapped messages):
     ``event_line`` = the line_no of that record's header line."""
     headed = pl.col("header").is_not_null()
     share = df.select(headed.mean()).item() or 0.0
-    if share < 0.6:
+    if share < 0.6 and not always:
         return df
     owner = pl.when(headed).then(pl.col("line_no")).forward_fill()
     return df.with_columns(
@@ -274,7 +274,8 @@ def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTE
                 if frame is not None and frame.height:
                     extras.setdefault(name, []).append(frame)
         df = mark_tracebacks(df)
-        df = mark_continuations(df)
+        # Ray's daemon logs (raylet, gcs, core workers, monitor) put a header on every record
+        df = mark_continuations(df, always=ctx.fmt.startswith("ray_") and ctx.fmt not in ("ray_worker", "ray_events"))
         df, year_hint, last_ts = _finish_timestamps(df, year_hint, last_ts)
         ctx.lines += df.height
         ctx.unparsed_lines += int(df.select(
