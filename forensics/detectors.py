@@ -1,0 +1,284 @@
+"""Metric-trend detectors: training divergence and policy collapse from the `metrics` table.
+
+The thresholds are data (``signatures/metrics.yaml``, section ``metric_detectors``). Each
+(file, metric) pair is a series of its own: the same numbers often arrive through several
+files (console ``step:N - ...`` lines, ``metrics.jsonl``, per-rank stdout) and an alarm
+cites the file and line of the step where the trend crosses into the failure.
+
+Detectors of ``training_divergence``: ``nonfinite`` (NaN/Inf loss, gradient norm, entropy),
+``spike`` (gradient norm far above its recent median), ``regime_change`` (a learning-rate
+jump followed by the statistics breaking away from their history), ``score_collapse``
+(mean score far below its best, sustained). ``policy_collapse``: entropy falling towards
+zero from where it started, mostly monotonically, without exploding gradients.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+import polars as pl
+
+SOURCE_PREFERENCE = {"jsonl": 0, "console": 1}
+
+
+@dataclass
+class Alarm:
+    cls: str  # taxonomy class
+    detector: str
+    step: int
+    key: str
+    value: float | None
+    file_id: int
+    line_no: int | None
+    path: str
+    source: str | None
+    detail: str
+    ts: Any = None
+    also: list[tuple[str, int]] = field(default_factory=list)  # the same step in other files
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and not math.isnan(x) and not math.isinf(x)
+
+
+def _keys_regex(patterns: list[str]) -> str:
+    return "|".join(f"(?:{p})" for p in patterns)
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "null"
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.4g}"
+
+
+class Series:
+    """One metric from one file: steps ascending, first value per step."""
+
+    def __init__(self, key: str, file_id: int, path: str, source: str | None, rows: list[tuple]):
+        self.key, self.file_id, self.path, self.source = key, file_id, path, source
+        seen: set[int] = set()
+        self.steps: list[int] = []
+        self.values: list[float | None] = []
+        self.lines: list[int | None] = []
+        self.ts: list[Any] = []
+        for step, value, line_no, ts in rows:
+            if step in seen:
+                continue
+            seen.add(step)
+            self.steps.append(step)
+            self.values.append(value)
+            self.lines.append(line_no)
+            self.ts.append(ts)
+
+    def alarm(self, cls: str, detector: str, i: int, detail: str) -> Alarm:
+        return Alarm(cls=cls, detector=detector, step=self.steps[i], key=self.key, value=self.values[i],
+                     file_id=self.file_id, line_no=self.lines[i], path=self.path, source=self.source,
+                     detail=detail, ts=self.ts[i])
+
+
+def load_series(con, patterns: list[str]) -> list[Series]:
+    if not patterns:
+        return []
+    rx = _keys_regex(patterns)
+    try:
+        df = pl.from_arrow(con.sql(
+            """SELECT m.file_id, f.path, m.source, m.key, m.step, m.value, m.line_no, m.ts
+               FROM metrics m JOIN files f USING (file_id)
+               WHERE m.step IS NOT NULL AND m.step >= 1 AND regexp_matches(m.key, ?)
+               ORDER BY m.file_id, m.key, m.step, m.line_no""", params=[rx]).to_arrow_table())
+    except Exception as exc:  # a database without a metrics table (or an old schema)
+        if "metrics" in str(exc) and ("does not exist" in str(exc) or "not found" in str(exc)):
+            return []
+        raise
+    out = []
+    for (file_id, path, source, key), g in df.group_by(["file_id", "path", "source", "key"], maintain_order=True):
+        rows = list(zip(g["step"].to_list(), g["value"].to_list(), g["line_no"].to_list(), g["ts"].to_list()))
+        out.append(Series(key, file_id, path, source, rows))
+    return out
+
+
+def _matching(series: list[Series], patterns: list[str]) -> list[Series]:
+    rxs = [re.compile(p) for p in patterns]
+    return [s for s in series if any(r.search(s.key) for r in rxs)]
+
+
+# -- training divergence ----------------------------------------------------------------
+
+def nonfinite(series: list[Series], conf: dict) -> list[Alarm]:
+    out = []
+    for s in _matching(series, conf.get("nonfinite_keys") or []):
+        for i, v in enumerate(s.values):
+            if v is not None and (math.isnan(v) or math.isinf(v)):
+                out.append(s.alarm("training_divergence", "nonfinite", i, f"{s.key} is {_fmt(v)} at step {s.steps[i]}"))
+                break
+    return out
+
+
+def spike(series: list[Series], conf: dict) -> list[Alarm]:
+    if not conf:
+        return []
+    factor, window, min_hist = float(conf["factor"]), int(conf["window"]), int(conf["min_history"])
+    out = []
+    for s in _matching(series, conf.get("keys") or []):
+        hist: list[float] = []
+        for i, v in enumerate(s.values):
+            if not _finite(v):
+                continue
+            if len(hist) >= min_hist:
+                m = median(hist[-window:])
+                if m > 0 and v >= factor * m:
+                    out.append(s.alarm("training_divergence", "spike", i,
+                                       f"{s.key} = {_fmt(v)} at step {s.steps[i]}, {v / m:.0f}x its recent median {_fmt(m)}"))
+                    break
+            hist.append(v)
+    return out
+
+
+def _mad(xs: list[float]) -> float:
+    m = median(xs)
+    return median([abs(x - m) for x in xs])
+
+
+def regime_change(series: list[Series], conf: dict) -> list[Alarm]:
+    if not conf:
+        return []
+    f = float(conf["trigger_factor"])
+    within, base_n = int(conf["within"]), int(conf["baseline"])
+    min_rel, min_z = float(conf["min_relative"]), float(conf["min_z"])
+    watch = _matching(series, conf.get("watch_keys") or [])
+    out = []
+    for trig in _matching(series, conf.get("trigger_keys") or []):
+        for i in range(1, len(trig.values)):
+            a, b = trig.values[i - 1], trig.values[i]
+            if not (_finite(a) and _finite(b)) or a <= 0 or b <= 0:
+                continue
+            if max(a, b) / min(a, b) < f:
+                continue
+            t_step = trig.steps[i]
+            best: Alarm | None = None
+            for w in (x for x in watch if x.file_id == trig.file_id):
+                base = [v for st, v in zip(w.steps, w.values) if t_step - base_n <= st < t_step and _finite(v)]
+                if len(base) < 3:
+                    continue
+                bm, mad = median(base), _mad(base)
+                scale = max(1.4826 * mad, 1e-12)
+                for j, (st, v) in enumerate(zip(w.steps, w.values)):
+                    if not (t_step < st <= t_step + within) or not _finite(v):
+                        continue
+                    rel = abs(v - bm) / abs(bm) if bm else math.inf
+                    if rel >= min_rel and abs(v - bm) / scale >= min_z:
+                        if best is None or st < best.step:
+                            best = w.alarm("training_divergence", "regime_change", j,
+                                           f"{trig.key} jumped {max(a, b) / min(a, b):.0f}x at step {t_step} ({_fmt(a)} -> {_fmt(b)}); "
+                                           f"at step {st} {w.key} = {_fmt(v)} vs {_fmt(bm)} before")
+                        break
+            if best is not None:
+                out.append(best)
+            break  # the first large jump of this series is the one that matters
+    return out
+
+
+def score_collapse(series: list[Series], conf: dict) -> list[Alarm]:
+    if not conf:
+        return []
+    window, drop, sustain, min_best = int(conf["window"]), float(conf["drop"]), int(conf["sustain"]), float(conf["min_best"])
+    out = []
+    for s in _matching(series, conf.get("keys") or []):
+        vals = [(i, v) for i, v in enumerate(s.values) if _finite(v)]
+        best = -math.inf
+        for k in range(len(vals)):
+            if k >= window:
+                best = max(best, median([v for _, v in vals[k - window:k]]))
+            if best < min_best or best <= 0:
+                continue
+            thr = (1 - drop) * best
+            run = vals[k:k + sustain]
+            if len(run) == sustain and all(v <= thr for _, v in run):
+                i = vals[k][0]
+                out.append(s.alarm("training_divergence", "score_collapse", i,
+                                   f"{s.key} fell to {_fmt(vals[k][1])} at step {s.steps[i]} from a best of {_fmt(best)} and stayed down"))
+                break
+    return out
+
+
+# -- policy collapse ---------------------------------------------------------------------------
+
+def entropy_collapse(series: list[Series], conf: dict) -> list[Alarm]:
+    if not conf:
+        return []
+    floor, start_min, max_frac = float(conf["floor"]), float(conf["start_min"]), float(conf["max_fraction"])
+    window, monotone = int(conf["window"]), float(conf["monotone"])
+    gfactor = float(conf.get("grad_norm_factor", 10))
+    grads = _matching(series, conf.get("grad_norm_keys") or [])
+    out = []
+    for s in _matching(series, conf.get("entropy_keys") or []):
+        if any(v is not None and not _finite(v) for v in s.values):
+            continue  # NaN/Inf entropy is divergence, not collapse
+        vals = [(i, v) for i, v in enumerate(s.values) if v is not None]
+        if len(vals) < window + 2:
+            continue
+        start = median([v for _, v in vals[:window]])
+        if start < start_min:
+            continue
+        for k, (i, v) in enumerate(vals):
+            if v < floor and v <= max_frac * start:
+                prior = [b for _, b in vals[:k + 1]]
+                steps = list(zip(prior, prior[1:]))
+                downs = sum(1 for a, b in steps if b < a)
+                if steps and downs / len(steps) < monotone:
+                    break
+                exploding = False
+                for g in (x for x in grads if x.file_id == s.file_id):
+                    gv = [x for x in g.values if _finite(x)]
+                    if len(gv) > window and max(gv) > gfactor * median(gv[:window]):
+                        exploding = True
+                if exploding:
+                    break
+                out.append(s.alarm("policy_collapse", "entropy_collapse", i,
+                                   f"{s.key} fell to {_fmt(v)} at step {s.steps[i]} from {_fmt(start)} at the start"))
+                break
+    return out
+
+
+DIVERGENCE = (("nonfinite", nonfinite), ("spike", spike), ("regime_change", regime_change), ("score_collapse", score_collapse))
+
+
+def run(con, settings: dict[str, Any]) -> list[Alarm]:
+    """All alarms, one per (detector, series) at most, the preferred file's first."""
+    div = settings.get("training_divergence") or {}
+    col = settings.get("policy_collapse") or {}
+    patterns: list[str] = []
+    patterns += div.get("nonfinite_keys") or []
+    for name in ("spike", "score_collapse"):
+        patterns += (div.get(name) or {}).get("keys") or []
+    rc = div.get("regime_change") or {}
+    patterns += (rc.get("trigger_keys") or []) + (rc.get("watch_keys") or [])
+    patterns += (col.get("entropy_keys") or []) + (col.get("grad_norm_keys") or [])
+    series = load_series(con, patterns)
+    if not series:
+        return []
+    alarms: list[Alarm] = []
+    alarms += nonfinite(series, div)
+    alarms += spike(series, div.get("spike") or {})
+    alarms += regime_change(series, rc)
+    alarms += score_collapse(series, div.get("score_collapse") or {})
+    alarms += entropy_collapse(series, col)
+    # same-step lines of the same metric in other files corroborate an alarm
+    by_key: dict[str, list[Series]] = {}
+    for s in series:
+        by_key.setdefault(s.key, []).append(s)
+    for a in alarms:
+        for s in by_key.get(a.key, []):
+            if s.file_id != a.file_id and a.step in s.steps:
+                line = s.lines[s.steps.index(a.step)]
+                if line is not None:
+                    a.also.append((s.path, line))
+    alarms.sort(key=lambda a: (a.step, SOURCE_PREFERENCE.get(a.source or "", 9), a.path))
+    return alarms
