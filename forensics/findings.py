@@ -1,0 +1,242 @@
+"""Performance findings: straggler ranks, slow weight sync, rollout long tail, step time jumps.
+
+:func:`findings` reads the phase views (``forensics/sql/6*_phases*.sql``) and returns plain
+dicts that ``forensics diagnose`` puts in the ``findings`` list of its JSON
+(``{"id", "rank", "detail", ...}``). Thresholds are data: ``signatures/findings.yaml``.
+
+Extra keys besides the contract's ``id`` / ``rank`` / ``detail``: ``phase``, ``steps`` (the
+steps that show it), ``value`` (the headline number, seconds or a ratio), ``source`` (which
+data measured it) and ``evidence`` (``[{file, line, text}]`` where a line shows it).
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+import yaml
+
+from . import phases as ph
+
+FINDINGS_YAML = ph.SIGNATURES / "findings.yaml"
+
+
+def load_thresholds(path: str | Path = FINDINGS_YAML) -> dict[str, dict[str, Any]]:
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    needed = ("straggler", "slow_weight_sync", "rollout_long_tail", "step_time_jump")
+    missing = [k for k in needed if not isinstance(doc.get(k), dict)]
+    if missing:
+        raise ValueError(f"{path}: missing section(s) {', '.join(missing)}")
+    return doc
+
+
+def _q(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())  # type: ignore[return-value]
+
+
+def _fmt_steps(steps: list[int]) -> str:
+    steps = sorted(steps)
+    if len(steps) > 6:
+        return f"{steps[0]}-{steps[-1]} ({len(steps)} steps)"
+    return ", ".join(str(s) for s in steps)
+
+
+def _metric_evidence(con: duckdb.DuckDBPyConnection, step: int, key_regex: str) -> list[dict]:
+    """The log/JSONL line that reported a step's timing metric, as contract evidence."""
+    rows = _q(con, """
+        SELECT f.path, m.line_no, l.text
+        FROM metrics m JOIN files f USING (file_id)
+        LEFT JOIN lines l ON l.file_id = m.file_id AND l.line_no = m.line_no
+        WHERE m.step = ? AND regexp_matches(m.key, ?) AND m.line_no IS NOT NULL
+        ORDER BY CASE m.source WHEN 'jsonl' THEN 0 ELSE 1 END, f.path, m.line_no LIMIT 1""", [step, key_regex])
+    return [{"file": r["path"], "line": r["line_no"], "text": r["text"]} for r in rows.iter_rows(named=True)]
+
+
+def straggler_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
+    """Ranks consistently slower than their peers in a phase (busy time, waits excluded)."""
+    busy = _q(con, """
+        SELECT rank, step, phase, any_value(source) AS source,
+               sum(seconds) - coalesce(sum(wait_s), 0) AS busy_s, sum(seconds) AS seconds
+        FROM phases WHERE rank IS NOT NULL AND phase = ANY(?)
+        GROUP BY rank, step, phase""", [list(cfg["phases"])])
+    if busy.is_empty():
+        return []
+    late = _q(con, "SELECT rank, step, sum(late_s) AS late_s, any_value(coll_name) AS coll FROM phase_collectives GROUP BY rank, step")
+    late_by = {(r["rank"], r["step"]): r for r in late.iter_rows(named=True)}
+    out: list[dict] = []
+    for (phase,), grp in busy.group_by(["phase"], maintain_order=True):
+        per_step: dict[int, dict[int, float]] = {}
+        for r in grp.iter_rows(named=True):
+            per_step.setdefault(r["step"], {})[r["rank"]] = r["busy_s"]
+        sources = sorted(set(grp["source"].to_list()))
+        ranks = sorted(set(grp["rank"].to_list()))
+        for rank in ranks:
+            measured, flagged, gaps, mine, peers_med = [], [], [], [], []
+            for step, by_rank in per_step.items():
+                if rank not in by_rank or len(by_rank) < 2:
+                    continue
+                measured.append(step)
+                peers = [v for r, v in by_rank.items() if r != rank]
+                med = statistics.median(peers)
+                gap = by_rank[rank] - med
+                if gap >= cfg["min_gap_s"] and (med <= 0 or gap / med >= cfg["min_rel_gap"]):
+                    flagged.append(step)
+                    gaps.append(gap)
+                    mine.append(by_rank[rank])
+                    peers_med.append(med)
+            if not measured or len(flagged) < cfg["min_steps"] or len(flagged) / len(measured) < cfg["min_share_of_steps"]:
+                continue
+            gap = statistics.median(gaps)
+            detail = (
+                f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {len(measured)} measured steps "
+                f"(steps {_fmt_steps(flagged)}): {statistics.median(mine):.2f} s busy vs {statistics.median(peers_med):.2f} s "
+                f"on the median peer, a gap of {gap:.2f} s per step"
+            )
+            lates = [late_by[(rank, s)]["late_s"] for s in flagged if (rank, s) in late_by]
+            if lates:
+                coll = next((late_by[(rank, s)]["coll"] for s in flagged if (rank, s) in late_by), None)
+                detail += (f"; it reaches the collectives (e.g. {coll}) {statistics.median(lates):.2f} s after the first rank "
+                           "(median per step), so the other ranks wait for it")
+            detail += f" (source: {', '.join(sources)})"
+            out.append({
+                "id": "straggler", "rank": rank, "detail": detail, "phase": phase, "steps": sorted(flagged),
+                "value": round(gap, 4), "source": ", ".join(sources), "evidence": [],
+            })
+    return out
+
+
+def slow_sync_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
+    steps = _q(con, "SELECT step, source, step_s, sync_s FROM phase_run_steps WHERE step_s > 0 ORDER BY step")
+    if steps.is_empty():
+        return []
+    shares = [r["sync_s"] / r["step_s"] for r in steps.iter_rows(named=True)]
+    med_share = statistics.median(shares)
+    med_sync = statistics.median(steps["sync_s"].to_list())
+    if med_share < cfg["min_share"] or med_sync < cfg["min_s"]:
+        return []
+    worst = steps.with_columns((pl.col("sync_s") / pl.col("step_s")).alias("share")).sort("share", descending=True).row(0, named=True)
+    return [{
+        "id": "slow_weight_sync", "rank": None, "phase": "sync",
+        "detail": (f"weight sync takes {med_share:.0%} of the step in the median step ({med_sync:.2f} s of "
+                   f"{statistics.median(steps['step_s'].to_list()):.2f} s); worst: step {worst['step']} "
+                   f"({worst['share']:.0%}, {worst['sync_s']:.2f} s) (source: {', '.join(sorted(set(steps['source'].to_list())))})"),
+        "steps": steps["step"].to_list(), "value": round(med_share, 4), "source": ", ".join(sorted(set(steps["source"].to_list()))),
+        "evidence": _metric_evidence(con, worst["step"], "(?i)^timing(_s)?/(update_weights|sync)"),
+    }]
+
+
+def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
+    out: list[dict] = []
+    skip = int(cfg.get("skip_first_steps", 0))
+    first = _q(con, "SELECT min(step) AS s FROM phase_run_steps")["s"][0]
+    first = first if first is not None else 0
+    # across ranks, within a step
+    per_rank = _q(con, "SELECT step, rank, rollout_s, source FROM phase_steps WHERE rank IS NOT NULL AND rollout_s > 0 AND step >= ?",
+                  [first + skip])
+    ratios, slowest = [], []
+    for (step,), grp in per_rank.group_by(["step"]):
+        if grp.height < 2:
+            continue
+        med = statistics.median(grp["rollout_s"].to_list())
+        top = grp.sort("rollout_s", descending=True).row(0, named=True)
+        if med > 0:
+            ratios.append((top["rollout_s"] / med, step, top["rank"]))
+            slowest.append(top["rank"])
+    if ratios:
+        med_ratio = statistics.median(r[0] for r in ratios)
+        if med_ratio >= cfg["rank_ratio"]:
+            rank = statistics.mode(slowest)
+            out.append({
+                "id": "rollout_long_tail", "rank": rank, "phase": "rollout",
+                "detail": (f"rollout is unbalanced across ranks: in the median step the slowest rank's generation takes "
+                           f"{med_ratio:.1f}x the median rank's; rank {rank} is the slowest in "
+                           f"{slowest.count(rank)} of {len(slowest)} steps and the others wait for it"),
+                "steps": sorted(r[1] for r in ratios if r[0] >= cfg["rank_ratio"]), "value": round(med_ratio, 3),
+                "source": ", ".join(sorted(set(per_rank["source"].to_list()))), "evidence": [],
+            })
+    # across steps
+    run = _q(con, "SELECT step, rollout_s, step_s, source FROM phase_run_steps WHERE step >= ? AND rollout_s > 0 ORDER BY step",
+             [first + skip])
+    if run.height >= 3:
+        med = statistics.median(run["rollout_s"].to_list())
+        top = run.sort("rollout_s", descending=True).row(0, named=True)
+        if med > 0 and top["rollout_s"] / med >= cfg["step_ratio"]:
+            long_steps = run.filter(pl.col("rollout_s") >= cfg["step_ratio"] * med)["step"].to_list()
+            out.append({
+                "id": "rollout_long_tail", "rank": None, "phase": "rollout",
+                "detail": (f"rollout time has a long tail across steps: step {top['step']} generated for {top['rollout_s']:.2f} s, "
+                           f"{top['rollout_s'] / med:.1f}x the median step's {med:.2f} s "
+                           f"({len(long_steps)} step(s) at {cfg['step_ratio']}x or more: {_fmt_steps(long_steps)})"),
+                "steps": long_steps, "value": round(top["rollout_s"] / med, 3),
+                "source": ", ".join(sorted(set(run["source"].to_list()))),
+                "evidence": _metric_evidence(con, top["step"], "(?i)^timing(_s)?/gen"),
+            })
+    # within a step: response lengths
+    lengths = _q(con, """
+        SELECT step, max(value) FILTER (WHERE key = 'response_length/max') AS mx,
+               max(value) FILTER (WHERE key = 'response_length/mean') AS mean
+        FROM metrics WHERE key IN ('response_length/max', 'response_length/mean') AND step >= ?
+        GROUP BY step HAVING mx IS NOT NULL AND mean > 0""", [first + skip])
+    if lengths.height and run.height:
+        med_len_ratio = statistics.median((lengths["mx"] / lengths["mean"]).to_list())
+        share = statistics.median((run["rollout_s"] / run["step_s"]).to_list()) if (run["step_s"] > 0).all() else 0.0
+        if med_len_ratio >= cfg["length_ratio"] and share >= cfg["min_rollout_share"]:
+            out.append({
+                "id": "rollout_long_tail", "rank": None, "phase": "rollout",
+                "detail": (f"generation is dominated by a few long responses: response_length/max is {med_len_ratio:.1f}x "
+                           f"response_length/mean in the median step while rollout takes {share:.0%} of the step"),
+                "steps": lengths["step"].to_list(), "value": round(med_len_ratio, 3), "source": "metrics", "evidence": [],
+            })
+    return out
+
+
+def step_jump_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
+    run = _q(con, """SELECT step, step_s, rollout_s, reward_s, train_s, sync_s, other_s, idle_s, source
+                     FROM phase_run_steps WHERE step_s IS NOT NULL ORDER BY step""")
+    if run.height < cfg["min_window"] + 1:
+        return []
+    rows = run.to_dicts()
+    skip = int(cfg.get("skip_first_steps", 0))
+    jumps = []
+    for i, r in enumerate(rows):
+        if i < skip:
+            continue
+        prev = rows[max(skip, i - cfg["window"]):i]
+        if len(prev) < cfg["min_window"]:
+            continue
+        med = statistics.median(p["step_s"] for p in prev)
+        if med > 0 and r["step_s"] >= cfg["ratio"] * med and r["step_s"] - med >= cfg["min_extra_s"]:
+            grew = max(("rollout", "reward", "train", "sync", "other", "idle"),
+                       key=lambda k: r[f"{k}_s"] - statistics.median(p[f"{k}_s"] for p in prev))
+            extra = r[f"{grew}_s"] - statistics.median(p[f"{grew}_s"] for p in prev)
+            jumps.append((r, med, grew, extra))
+    out = []
+    for r, med, grew, extra in jumps[: cfg["max_listed"]]:
+        out.append({
+            "id": "step_time_jump", "rank": None, "phase": grew,
+            "detail": (f"step {r['step']} took {r['step_s']:.2f} s, {r['step_s'] / med:.1f}x the median {med:.2f} s of the "
+                       f"steps before it; {grew} grew the most (+{extra:.2f} s) (source: {r['source']})"),
+            "steps": [r["step"]], "value": round(r["step_s"] / med, 3), "source": r["source"],
+            "evidence": _metric_evidence(con, r["step"], "(?i)^timing(_s)?/step$"),
+        })
+    if len(jumps) > cfg["max_listed"]:
+        rest = [j[0]["step"] for j in jumps[cfg["max_listed"]:]]
+        out.append({
+            "id": "step_time_jump", "rank": None, "phase": None,
+            "detail": f"{len(rest)} more step(s) took {cfg['ratio']}x their recent median or longer: steps {_fmt_steps(rest)}",
+            "steps": rest, "value": None, "source": rows[0]["source"], "evidence": [],
+        })
+    return out
+
+
+def findings(con: duckdb.DuckDBPyConnection, thresholds: dict | None = None) -> list[dict]:
+    """Performance findings of the ingested run, most specific first (see the module docstring)."""
+    cfg = thresholds or load_thresholds()
+    with ph.cached(con):
+        out = straggler_findings(con, cfg["straggler"])
+        out += slow_sync_findings(con, cfg["slow_weight_sync"])
+        out += rollout_tail_findings(con, cfg["rollout_long_tail"])
+        out += step_jump_findings(con, cfg["step_time_jump"])
+    return out

@@ -1,0 +1,197 @@
+"""Phase attribution: where each rank spent each step (rollout, reward, train, sync, other, idle).
+
+The analysis itself is SQL (``forensics/sql/6*_phases*.sql``); the mapping from span, task,
+metric and log-marker names to phases is data (``signatures/phases.yaml``). This module loads
+that data into the tables ``phase_rules`` and ``phase_settings`` the views join, and reads
+the views back as polars frames.
+
+:func:`attach` must run on a connection before the phase views return rows. On a writable
+connection it stores the rules in the database (once per change of the YAML file); on a
+read-only one it creates TEMP tables of the same names, which shadow the stored ones for
+that connection only.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import duckdb
+import polars as pl
+import yaml
+
+SIGNATURES = Path(__file__).resolve().parent.parent / "signatures"
+PHASES_YAML = SIGNATURES / "phases.yaml"
+
+PHASES = ("rollout", "reward", "train", "sync", "other")
+SOURCES = ("kineto", "ray", "metrics", "log")
+SOURCE_HASH_KEY = "_phases_yaml_sha256"
+
+
+class PhaseRulesError(ValueError):
+    """signatures/phases.yaml is malformed."""
+
+
+def load_rules(path: str | Path = PHASES_YAML) -> tuple[list[dict[str, Any]], dict[str, str], str]:
+    """Read the YAML file: (rule rows, settings, sha256 of the file)."""
+    raw = Path(path).read_bytes()
+    doc = yaml.safe_load(raw) or {}
+    rules_in = doc.get("rules")
+    if not isinstance(rules_in, list) or not rules_in:
+        raise PhaseRulesError(f"{path}: `rules` must be a non-empty list")
+    rows: list[dict[str, Any]] = []
+    for i, rule in enumerate(rules_in):
+        if not isinstance(rule, dict):
+            raise PhaseRulesError(f"{path}: rule {i + 1} is not a mapping")
+        phase = rule.get("phase")
+        if phase not in PHASES:
+            raise PhaseRulesError(f"{path}: rule {i + 1}: phase {phase!r} is not one of {', '.join(PHASES)}")
+        sources = rule.get("sources")
+        if sources is not None:
+            bad = [s for s in sources if s not in SOURCES]
+            if bad:
+                raise PhaseRulesError(f"{path}: rule {i + 1}: unknown source(s) {bad}")
+        patterns: list[str] = []
+        names = rule.get("names") or []
+        if names:
+            patterns.append("(?i)(?:" + "|".join(re.escape(str(n)) for n in names) + ")")
+        for p in rule.get("patterns") or []:
+            re.compile(p)  # a typo in a pattern should fail here, not as an empty view
+            patterns.append(p if p.startswith("(?i)") else "(?i)" + p)
+        if not patterns:
+            raise PhaseRulesError(f"{path}: rule {i + 1} has neither `names` nor `patterns`")
+        for p in patterns:
+            rows.append({
+                "priority": i, "phase": phase, "sub_phase": rule.get("sub_phase"), "pattern": p,
+                "sources": ",".join(sources) if sources else None, "in_step": bool(rule.get("in_step", True)),
+            })
+    settings = {str(k): str(v) for k, v in (doc.get("settings") or {}).items()}
+    return rows, settings, hashlib.sha256(raw).hexdigest()
+
+
+def _read_only(con: duckdb.DuckDBPyConnection) -> bool:
+    row = con.execute(
+        "SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()"
+    ).fetchall()
+    return bool(row and row[0][0])
+
+
+def _has_main_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return bool(con.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main' AND database_name = current_database()",
+        [name],
+    ).fetchall()[0][0])
+
+
+def _sql_literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _create_setting_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, str], temp: bool) -> None:
+    """(Re)define ``phase_setting(key)`` as a CASE over the settings' literal values.
+
+    The SQL files define it as a lookup in ``phase_settings``, which is correct but opaque to
+    the optimiser: DuckDB compiles a regular expression that comes from a table once per
+    row. With literals the expression folds to a constant and each pattern compiles once.
+    """
+    cases = " ".join(f"WHEN {_sql_literal(k)} THEN {_sql_literal(v)}" for k, v in sorted(settings.items()))
+    where = "TEMP MACRO " if temp else "MACRO main."
+    con.execute(f"CREATE OR REPLACE {where}phase_setting(k) AS CASE k {cases} ELSE NULL END").fetchall()
+
+
+def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> None:
+    """Load the phase rules into ``con`` (see the module docstring). Idempotent."""
+    rows, settings, sha = load_rules(path)
+    settings = {**settings, SOURCE_HASH_KEY: sha}
+    rules_tbl = pl.DataFrame(rows, schema={"priority": pl.Int32, "phase": pl.String, "sub_phase": pl.String,
+                                           "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
+    settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
+    read_only = _read_only(con)
+    _create_setting_macro(con, settings, temp=read_only)
+    if read_only:
+        con.register("_phase_rules_in", rules_tbl)
+        con.register("_phase_settings_in", settings_tbl)
+        try:
+            con.execute("CREATE OR REPLACE TEMP TABLE phase_rules AS SELECT * FROM _phase_rules_in").fetchall()
+            con.execute("CREATE OR REPLACE TEMP TABLE phase_settings AS SELECT * FROM _phase_settings_in").fetchall()
+        finally:
+            con.unregister("_phase_rules_in")
+            con.unregister("_phase_settings_in")
+        return
+    if _has_main_table(con, "phase_settings"):
+        have = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [SOURCE_HASH_KEY]).fetchall()
+        if have and have[0][0] == sha:
+            return
+    con.register("_phase_rules_in", rules_tbl)
+    con.register("_phase_settings_in", settings_tbl)
+    try:
+        con.execute("BEGIN TRANSACTION").fetchall()
+        con.execute("CREATE TABLE IF NOT EXISTS main.phase_rules (priority INTEGER, phase VARCHAR, sub_phase VARCHAR, pattern VARCHAR, sources VARCHAR, in_step BOOLEAN)").fetchall()
+        con.execute("CREATE TABLE IF NOT EXISTS main.phase_settings (key VARCHAR, value VARCHAR)").fetchall()
+        con.execute("DELETE FROM main.phase_rules").fetchall()
+        con.execute("DELETE FROM main.phase_settings").fetchall()
+        con.execute("INSERT INTO main.phase_rules SELECT * FROM _phase_rules_in").fetchall()
+        con.execute("INSERT INTO main.phase_settings SELECT * FROM _phase_settings_in").fetchall()
+        con.execute("COMMIT").fetchall()
+    except BaseException:
+        con.execute("ROLLBACK").fetchall()
+        raise
+    finally:
+        con.unregister("_phase_rules_in")
+        con.unregister("_phase_settings_in")
+
+
+# The expensive views, in dependency order: ``cached`` materialises each as a TEMP table of
+# the same name, which the later views (and the caller's queries) then read instead.
+CACHED_VIEWS = (
+    "phase_log_markers", "phase_log_steps", "phase_profiler_steps", "phase_spans", "phase_kineto_segments",
+    "phase_gpu_events", "phase_gpu", "phase_gpu_steps", "phase_collectives", "phases", "phase_steps",
+    "phase_run_steps", "phase_timeline",
+)
+
+
+@contextmanager
+def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+    """Compute the phase views once for the duration of the block.
+
+    Inside it, queries of ``phases``, ``phase_steps`` etc. read TEMP tables that shadow the
+    views; they are dropped on exit. Nested use reuses the outer block's tables.
+    """
+    attach(con)
+    db = con.execute("SELECT current_database()").fetchall()[0][0]
+    have = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
+    made: list[str] = []
+    try:
+        for view in CACHED_VIEWS:
+            if view in have:
+                continue
+            con.execute(f'CREATE TEMP TABLE "{view}" AS SELECT * FROM "{db}".main."{view}"').fetchall()
+            made.append(view)
+        yield
+    finally:
+        for view in reversed(made):
+            con.execute(f'DROP TABLE IF EXISTS temp.main."{view}"').fetchall()
+
+
+def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())  # type: ignore[return-value]
+
+
+def phase_steps(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """One row per (rank, step): seconds per phase, idle, GPU figures and the source."""
+    attach(con)
+    return _frame(con, "SELECT * FROM phase_steps ORDER BY step, rank NULLS FIRST")
+
+
+def phases(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """One row per (rank, step, phase, sub_phase) with seconds and source."""
+    attach(con)
+    return _frame(con, "SELECT * FROM phases ORDER BY step, rank NULLS FIRST, phase, sub_phase")
+
+
+def timeline(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Every phase span with its wall-clock start and end (see the view ``phase_timeline``)."""
+    attach(con)
+    return _frame(con, "SELECT * FROM phase_timeline ORDER BY start_us, rank NULLS FIRST")

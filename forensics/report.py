@@ -1,0 +1,606 @@
+"""The post-mortem HTML report: one self-contained file (plotly.js inlined, no network).
+
+Sections: the incident card (root cause, evidence lines with file:line, cascade, remediation),
+performance findings, a per-rank timeline of phases (and GPU activity when profiler traces
+exist) with a marker where each piece of evidence sits, stacked phase bars per step, training
+metric plots with the failure step marked, and the inventory of ingested files.
+
+Safety: every piece of text that comes from the logs is escaped. HTML is built here with
+``html.escape``; plot data travels as JSON inside ``<script type="application/json">`` with
+``<``, ``>`` and ``&`` written as ``\\u003c`` / ``\\u003e`` / ``\\u0026``; the page's own script
+never assigns log text to ``innerHTML``; hover labels (which plotly renders as a subset of
+HTML) get pre-escaped text.
+
+Size: the timeline draws at most ``MAX_SEGMENTS`` bars. Beyond that, short spans are
+aggregated into time bins (the phase that filled most of each bin is drawn) and the page
+says so, so runs with hundreds of thousands of spans stay responsive.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from . import phases as ph
+
+MAX_SEGMENTS = 60_000  # bars drawn on the timeline, all lanes together
+EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
+MAX_INVENTORY = 2_000
+MAX_EVIDENCE = 40
+
+PHASE_COLORS = {
+    "rollout": "#4C78A8", "rollout/logprob": "#9ECAE9", "reward": "#B279A2", "train": "#F58518",
+    "sync": "#E45756", "other": "#9D9D9D", "idle": "#E8E8E8", "gpu": "#54A24B", "nccl": "#8C564B",
+}
+PHASE_ORDER = ["rollout", "rollout/logprob", "reward", "train", "sync", "other", "idle"]
+
+METRIC_PANELS = [
+    ("loss", ["actor/pg_loss", "actor/loss", "actor/policy_loss", "train/loss", "loss"]),
+    ("entropy", ["actor/entropy", "actor/entropy_loss", "entropy"]),
+    ("grad norm", ["actor/grad_norm", "critic/grad_norm", "grad_norm"]),
+    ("score", ["critic/score/mean", "critic/rewards/mean", "reward/mean", "score/mean"]),
+    ("throughput", ["perf/throughput", "perf/tokens_per_second", "perf/tps"]),
+]
+
+
+def script_json(obj: Any) -> str:
+    """JSON safe to place inside a <script> element: no `<`, `>`, `&`, U+2028/9 left raw."""
+    text = json.dumps(_finite(obj), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return (text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def esc(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _q(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())  # type: ignore[return-value]
+
+
+@dataclass
+class ReportResult:
+    path: str
+    bytes: int
+    seconds: float
+    spans: int  # phase spans and GPU intervals available
+    segments: int  # bars drawn on the timeline
+    aggregated: bool
+    notes: list[str] = field(default_factory=list)
+
+
+# -- diagnosis ------------------------------------------------------------------------------
+
+def _diagnosis(con: duckdb.DuckDBPyConnection) -> tuple[dict | None, str | None]:
+    """(diagnosis as the contract's dict, or None; a note when it is unavailable)."""
+    try:
+        from . import diagnose as dg
+    except ImportError as exc:
+        return None, f"diagnosis unavailable: forensics.diagnose cannot be imported ({exc})"
+    try:
+        return dg.diagnose(con=con).to_dict(), None
+    except Exception as exc:  # the report must still show the timeline and files
+        return None, f"diagnosis failed: {exc.__class__.__name__}: {exc}"
+
+
+def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[dict]:
+    """Add ts (µs since epoch), rank and step to evidence items by looking up their line."""
+    if not items:
+        return []
+    keys = pl.DataFrame({"i": list(range(len(items))), "path": [str(e.get("file")) for e in items],
+                         "line_no": [e.get("line") for e in items]}, schema={"i": pl.Int64, "path": pl.String, "line_no": pl.Int64})
+    con.register("_ev_keys", keys.to_arrow())
+    try:
+        found = _q(con, """
+            SELECT k.i, epoch_us(l.ts)::DOUBLE AS ts_us, l.rank, l.ts_quality
+            FROM _ev_keys k JOIN files f ON f.path = k.path
+            JOIN lines l ON l.file_id = f.file_id AND l.line_no = k.line_no""")
+    finally:
+        con.unregister("_ev_keys")
+    by_i = {r["i"]: r for r in found.iter_rows(named=True)}
+    out = []
+    for i, e in enumerate(items):
+        r = by_i.get(i, {})
+        out.append({**e, "ts_us": r.get("ts_us"), "rank": r.get("rank") if r.get("rank") is not None else e.get("rank")})
+    return out
+
+
+# -- timeline -------------------------------------------------------------------------------
+
+def _phase_key(phase: str, sub_phase: str | None) -> str:
+    return "rollout/logprob" if phase == "rollout" and sub_phase == "logprob" else phase
+
+
+def _timeline_spans(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Phase spans and GPU busy intervals, one frame: lane, kind, start_us, end_us, label."""
+    spans = _q(con, """
+        SELECT rank, step, phase, sub_phase, name, start_us, end_us, source, approximate
+        FROM phase_timeline WHERE end_us > start_us""")
+    spans = spans.with_columns(
+        pl.when(pl.col("rank").is_null()).then(pl.lit("run")).otherwise(pl.format("rank {}", pl.col("rank"))).alias("lane"),
+        pl.when((pl.col("phase") == "rollout") & (pl.col("sub_phase") == "logprob")).then(pl.lit("rollout/logprob"))
+          .otherwise(pl.col("phase")).alias("kind"),
+    )
+    gpu = _q(con, """
+        WITH e AS (
+            SELECT rank, is_nccl, start_us, end_us,
+                   max(end_us) OVER (PARTITION BY file_id, is_nccl ORDER BY start_us, end_us
+                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_end, file_id
+            FROM phase_gpu_events
+        ), m AS (
+            SELECT *, sum(CASE WHEN prev_end IS NULL OR start_us > prev_end THEN 1 ELSE 0 END)
+                          OVER (PARTITION BY file_id, is_nccl ORDER BY start_us, end_us ROWS UNBOUNDED PRECEDING) AS isl
+            FROM e
+        )
+        SELECT rank, is_nccl, min(start_us) AS start_us, max(end_us) AS end_us, count(*) AS kernels
+        FROM m GROUP BY file_id, rank, is_nccl, isl""")
+    gpu = gpu.with_columns(
+        pl.format("rank {} GPU", pl.col("rank")).alias("lane"),
+        pl.when(pl.col("is_nccl")).then(pl.lit("nccl")).otherwise(pl.lit("gpu")).alias("kind"),
+        pl.lit(None, pl.Int64).alias("step"), pl.lit(None, pl.String).alias("name"), pl.lit("kineto").alias("source"),
+        pl.lit(False).alias("approximate"),
+    )
+    cols = ["lane", "kind", "step", "name", "start_us", "end_us", "source", "approximate"]
+    return pl.concat([spans.select(cols), gpu.select(cols)], how="vertical_relaxed")
+
+
+def _aggregate(spans: pl.DataFrame, budget: int) -> tuple[pl.DataFrame, float]:
+    """Cut the number of bars to ``budget``: spans shorter than a bin width are replaced, per
+    lane and bin, by one bar of the kind that filled most of the bin; equal neighbours merge.
+    Returns (bars, bin width in µs; 0 when nothing was aggregated)."""
+    if spans.height <= budget:
+        return spans, 0.0
+    t0, t1 = spans["start_us"].min(), spans["end_us"].max()
+    lanes = spans["lane"].n_unique()
+    width = max((t1 - t0) * lanes / budget, 1.0)
+    for _ in range(40):
+        dur = pl.col("end_us") - pl.col("start_us")
+        long = spans.filter(dur >= width)
+        short = (
+            spans.filter(dur < width)
+            .with_columns(((pl.col("start_us") - t0) // width).alias("bin"), dur.alias("dur"))
+            .group_by("lane", "bin", "kind").agg(pl.col("dur").sum(), pl.col("step").min(), pl.col("source").first())
+            .sort("dur", descending=True).unique(["lane", "bin"], keep="first")
+            .with_columns((t0 + pl.col("bin") * width).alias("start_us"), (t0 + (pl.col("bin") + 1) * width).alias("end_us"),
+                          pl.lit(None, pl.String).alias("name"), pl.lit(True).alias("approximate"))
+            .select(spans.columns)
+        )
+        bars = pl.concat([long, short], how="vertical_relaxed").sort("lane", "kind", "start_us")
+        # merge touching bars of the same lane and kind
+        bars = (
+            bars.with_columns(pl.col("end_us").cum_max().shift(1).over("lane", "kind").alias("_prev"))
+            .with_columns((pl.col("_prev").is_null() | (pl.col("start_us") > pl.col("_prev") + width * 0.01)).cum_sum().over("lane", "kind").alias("_g"))
+            .group_by("lane", "kind", "_g").agg(
+                pl.col("start_us").min(), pl.col("end_us").max(), pl.col("step").min(), pl.col("name").first(),
+                pl.col("source").first(), pl.col("approximate").any())
+            .drop("_g").select(spans.columns)
+        )
+        if bars.height <= budget:
+            return bars, width
+        width *= 2
+    return bars, width
+
+
+def _lane_order(lanes: list[str]) -> list[str]:
+    def key(lane: str):
+        if lane == "run":
+            return (-1, 0)
+        parts = lane.split()
+        return (int(parts[1]), 1 if lane.endswith("GPU") else 0)
+    return sorted(lanes, key=key)
+
+
+def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tuple[dict | None, dict]:
+    spans = _timeline_spans(con)
+    info: dict[str, Any] = {"spans": spans.height, "segments": 0, "aggregated": False, "bin_s": 0.0}
+    ev_ts = [e["ts_us"] for e in evidence if e.get("ts_us") is not None]
+    if spans.is_empty() and not ev_ts:
+        return None, info
+    t0 = min(([spans["start_us"].min()] if spans.height else []) + ev_ts)
+    bars, width = _aggregate(spans, MAX_SEGMENTS)
+    info.update(segments=bars.height, aggregated=width > 0, bin_s=width / 1e6)
+    lanes = _lane_order(sorted(set(bars["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
+                               | {f"rank {e['rank']}" for e in evidence if e.get("ts_us") is not None and e.get("rank") is not None}))
+    row = {lane: i for i, lane in enumerate(lanes)}
+    exact = bars.height <= EXACT_BARS
+    traces: list[dict] = []
+    kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(bars["kind"].to_list())]
+    for kind in kinds:
+        sub = bars.filter(pl.col("kind") == kind).sort("start_us")
+        start = ((sub["start_us"] - t0) / 1e6).round(6).to_list()
+        end = ((sub["end_us"] - t0) / 1e6).round(6).to_list()
+        rows = [row[x] for x in sub["lane"].to_list()]
+        label = {"gpu": "GPU kernels", "nccl": "NCCL kernels"}.get(kind, kind)
+        if exact:
+            text = [
+                esc(f"{label}{' step ' + str(s) if s is not None else ''}{' · ' + n if n else ''} · {(e - b):.4f} s · {src}"
+                    + (" (approximate)" if ap else ""))
+                for s, n, b, e, src, ap in zip(sub["step"].to_list(), sub["name"].to_list(), start, end,
+                                               sub["source"].to_list(), sub["approximate"].to_list())
+            ]
+            traces.append({"type": "bar", "orientation": "h", "name": label, "base": start,
+                           "x": [round(e - b, 6) for b, e in zip(start, end)], "y": rows,
+                           "marker": {"color": PHASE_COLORS[kind]}, "hovertext": text, "hoverinfo": "text",
+                           "width": 0.8})
+        else:
+            traces.append({"type": "scatter", "mode": "lines", "name": label, "_segments": [start, end, rows],
+                           "line": {"color": PHASE_COLORS[kind], "width": 6}, "hoverinfo": "skip"})
+    marks = [e for e in evidence if e.get("ts_us") is not None]
+    if marks:
+        traces.append({
+            "type": "scatter", "mode": "markers", "name": "evidence",
+            "x": [round((e["ts_us"] - t0) / 1e6, 6) for e in marks],
+            "y": [row["run" if e.get("rank") is None else f"rank {e['rank']}"] for e in marks],
+            "marker": {"symbol": "x", "size": 12, "color": "#D62728", "line": {"width": 2}},
+            "hovertext": [esc(f"{e.get('file')}:{e.get('line')}: {str(e.get('text') or '')[:300]}") for e in marks],
+            "hoverinfo": "text",
+        })
+    height = min(max(260, 60 + 22 * len(lanes)), 2400)
+    layout = {
+        "barmode": "overlay", "height": height, "margin": {"l": 90, "r": 20, "t": 30, "b": 50},
+        "xaxis": {"title": {"text": f"seconds since {_iso(t0)} UTC"}, "zeroline": False},
+        "yaxis": {"tickvals": list(range(len(lanes))), "ticktext": lanes, "autorange": "reversed", "zeroline": False},
+        "legend": {"orientation": "h", "y": 1.08}, "hovermode": "closest",
+    }
+    return {"data": traces, "layout": layout}, info
+
+
+def _iso(ts_us: float) -> str:
+    return datetime.fromtimestamp(ts_us / 1e6, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+# -- steps and metrics ----------------------------------------------------------------------
+
+def _steps_figure(con: duckdb.DuckDBPyConnection, failure_step: int | None) -> tuple[dict | None, pl.DataFrame]:
+    run = _q(con, "SELECT * FROM phase_run_steps ORDER BY step")
+    if run.is_empty():
+        return None, run
+    steps = run["step"].to_list()
+    generate = (run["rollout_s"] - run["logprob_s"]).to_list()
+    series = [("rollout", generate), ("rollout/logprob", run["logprob_s"].to_list()), ("reward", run["reward_s"].to_list()),
+              ("train", run["train_s"].to_list()), ("sync", run["sync_s"].to_list()), ("other", run["other_s"].to_list()),
+              ("idle", run["idle_s"].to_list())]
+    traces = []
+    sources = run["source"].to_list()
+    for name, values in series:
+        if not any(v and v > 0 for v in values):
+            continue
+        traces.append({"type": "bar", "name": name, "x": steps, "y": [round(v or 0, 6) for v in values],
+                       "marker": {"color": PHASE_COLORS[name]},
+                       "hovertext": [esc(f"step {s} · {name} · {v or 0:.3f} s · {src}") for s, v, src in zip(steps, values, sources)],
+                       "hoverinfo": "text"})
+    shapes = _failure_shapes(failure_step)
+    layout = {"barmode": "stack", "height": 360, "margin": {"l": 60, "r": 20, "t": 30, "b": 50},
+              "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": "seconds"}},
+              "legend": {"orientation": "h", "y": 1.12}, "shapes": shapes, "bargap": 0.1 if len(steps) < 200 else 0}
+    return {"data": traces, "layout": layout}, run
+
+
+def _failure_shapes(step: int | None) -> list[dict]:
+    if step is None:
+        return []
+    return [{"type": "line", "xref": "x", "yref": "paper", "x0": step, "x1": step, "y0": 0, "y1": 1,
+             "line": {"color": "#D62728", "width": 2, "dash": "dash"}}]
+
+
+def _metrics_figure(con: duckdb.DuckDBPyConnection, failure_step: int | None) -> dict | None:
+    keys = [k for _, cands in METRIC_PANELS for k in cands]
+    df = _q(con, """
+        SELECT step, key, arg_min(value, CASE source WHEN 'jsonl' THEN 0 WHEN 'console' THEN 1 ELSE 2 END) AS value
+        FROM metrics WHERE step IS NOT NULL AND key = ANY(?) GROUP BY step, key ORDER BY step""", [keys])
+    if df.is_empty():
+        return None
+    present = set(df["key"].to_list())
+    panels = []
+    for title, cands in METRIC_PANELS:
+        key = next((k for k in cands if k in present), None)
+        if key:
+            panels.append((title, key))
+    n = len(panels)
+    traces, layout = [], {"height": 170 * n + 60, "margin": {"l": 70, "r": 20, "t": 20, "b": 40}, "showlegend": False,
+                          "shapes": [], "annotations": []}
+    gap = 0.04
+    h = (1 - gap * (n - 1)) / n
+    for i, (title, key) in enumerate(panels):
+        sub = df.filter(pl.col("key") == key)
+        ax = "" if i == 0 else str(i + 1)
+        y0 = 1 - (i + 1) * h - i * gap
+        layout[f"yaxis{ax}"] = {"domain": [max(y0, 0), y0 + h], "title": {"text": esc(title)}, "anchor": f"x{ax}"}
+        layout[f"xaxis{ax}"] = {"anchor": f"y{ax}", "matches": "x" if i else None, "showticklabels": i == n - 1,
+                                "title": {"text": "step"} if i == n - 1 else None}
+        values = [v if v is None or math.isfinite(v) else None for v in sub["value"].to_list()]
+        traces.append({"type": "scattergl" if sub.height > 5000 else "scatter", "mode": "lines+markers" if sub.height < 200 else "lines",
+                       "x": sub["step"].to_list(), "y": values, "name": esc(key), "xaxis": f"x{ax}", "yaxis": f"y{ax}",
+                       "hovertemplate": esc(key) + " step %{x}: %{y}<extra></extra>", "marker": {"size": 4}})
+        nonfinite = [s for s, v in zip(sub["step"].to_list(), sub["value"].to_list()) if v is not None and not math.isfinite(v)]
+        if nonfinite:
+            layout["annotations"].append({"xref": f"x{ax}", "yref": f"y{ax} domain", "x": nonfinite[0], "y": 0.9,
+                                          "text": esc(f"{key} not finite from step {nonfinite[0]}"), "showarrow": True,
+                                          "font": {"color": "#D62728"}})
+        if failure_step is not None:
+            layout["shapes"].append({"type": "line", "xref": f"x{ax}", "yref": f"y{ax} domain", "x0": failure_step,
+                                     "x1": failure_step, "y0": 0, "y1": 1, "line": {"color": "#D62728", "width": 2, "dash": "dash"}})
+    for k in list(layout):
+        if k.startswith("xaxis"):
+            layout[k] = {a: b for a, b in layout[k].items() if b is not None}
+    if failure_step is not None:
+        layout["annotations"].append({"xref": "x", "yref": "paper", "x": failure_step, "y": 1.0, "yanchor": "bottom",
+                                      "text": f"failure step {failure_step}", "showarrow": False, "font": {"color": "#D62728"}})
+    return {"data": traces, "layout": layout}
+
+
+# -- HTML -----------------------------------------------------------------------------------
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#263238;color:#fff;padding:14px 24px}header h1{margin:0;font-size:20px}
+header .sub{opacity:.8;font-size:13px;margin-top:4px}
+main{padding:12px 24px;max-width:1500px}
+section{background:#fff;border:1px solid #ddd;border-radius:6px;margin:14px 0;padding:12px 16px}
+h2{font-size:16px;margin:4px 0 10px}
+.card.failed{border-left:6px solid #D62728}.card.healthy{border-left:6px solid #54A24B}
+.verdict{font-weight:600;font-size:15px}
+table{border-collapse:collapse;font-size:12px;width:100%}td,th{border-bottom:1px solid #eee;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}
+pre.line{white-space:pre-wrap;word-break:break-all;margin:0;font-size:12px;background:#f7f7f7;padding:2px 4px}
+.cite{font-family:monospace;font-size:12px;color:#555}
+.note{font-size:12px;color:#666}
+.tag{display:inline-block;background:#eee;border-radius:3px;padding:0 5px;margin:0 3px 0 0;font-size:12px}
+ul{margin:4px 0 4px 18px;padding:0}
+"""
+
+RENDER_JS = """
+(function(){
+  var data = JSON.parse(document.getElementById('report-data').textContent);
+  var config = {responsive: true, displaylogo: false, scrollZoom: true};
+  function expand(fig){
+    fig.data.forEach(function(t){
+      if(!t._segments){return;}
+      var s=t._segments[0], e=t._segments[1], r=t._segments[2], n=s.length;
+      var x=new Array(3*n), y=new Array(3*n);
+      for(var i=0;i<n;i++){x[3*i]=s[i];x[3*i+1]=e[i];x[3*i+2]=null;y[3*i]=r[i];y[3*i+1]=r[i];y[3*i+2]=null;}
+      t.x=x; t.y=y; delete t._segments;
+    });
+    return fig;
+  }
+  var pending = 0;
+  ['timeline','steps','metrics'].forEach(function(k){
+    var fig = data.figures[k], div = document.getElementById('plot-' + k);
+    if(!fig || !div){return;}
+    pending++;
+    Plotly.newPlot(div, expand(fig).data, fig.layout, config).then(function(){
+      div.setAttribute('data-rendered', '1');
+      pending--;
+      if(pending === 0){document.body.setAttribute('data-report-ready', '1');}
+    });
+  });
+  if(pending === 0){document.body.setAttribute('data-report-ready', '1');}
+})();
+"""
+
+
+def _card_html(diag: dict | None, note: str | None, evidence: list[dict]) -> str:
+    parts = []
+    if diag is None:
+        parts.append('<section class="card" id="incident"><h2>Incident</h2>')
+        parts.append(f'<p class="note">{esc(note)}</p>')
+        if evidence:
+            parts.append("<p>Error lines in the logs (the first of each file), shown instead:</p>")
+            parts.append(_evidence_list(evidence))
+        parts.append("</section>")
+        return "".join(parts)
+    verdict = diag.get("verdict", "unknown")
+    parts.append(f'<section class="card {esc(verdict)}" id="incident"><h2>Incident</h2>')
+    causes = diag.get("root_causes") or []
+    if not causes:
+        parts.append(f'<p class="verdict">Verdict: {esc(verdict)}</p>')
+        end = diag.get("end")
+        if end:
+            parts.append(f'<p>Why: <span class="cite">{esc(end.get("file"))}:{esc(end.get("line"))}</span></p>'
+                         f'<pre class="line">{esc(end.get("text"))}</pre>')
+    for i, rc in enumerate(causes):
+        where = []
+        for key in ("rank", "node", "phase", "step"):
+            if rc.get(key) is not None:
+                where.append(f'<span class="tag">{esc(key)} {esc(rc.get(key))}</span>')
+        title = rc.get("title") or ""
+        parts.append(f'<p class="verdict">{"Root cause" if i == 0 else "Also possible"}: {esc(rc.get("id"))}'
+                     f'{" — " + esc(title) if title else ""} <span class="note">(confidence {esc(rc.get("confidence"))})</span></p>')
+        if where:
+            parts.append(f"<p>{''.join(where)}</p>")
+        if rc.get("summary"):
+            parts.append(f"<p>{esc(rc['summary'])}</p>")
+        evs = [e for e in evidence if e.get("_cause") == i]
+        if evs:
+            parts.append("<p>Evidence:</p>" + _evidence_list(evs))
+        cascade = list(rc.get("cascade") or []) + [f"symptom: {s}" for s in rc.get("symptoms") or []]
+        if cascade:
+            parts.append("<p>Cascade:</p><ul>" + "".join(f"<li>{esc(c)}</li>" for c in cascade) + "</ul>")
+        if rc.get("remediation"):
+            parts.append("<p>Remediation:</p><ul>" + "".join(f"<li>{esc(r)}</li>" for r in rc["remediation"]) + "</ul>")
+    for n in diag.get("notes") or []:
+        parts.append(f'<p class="note">{esc(n)}</p>')
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _evidence_list(evidence: list[dict]) -> str:
+    rows = []
+    for e in evidence[:MAX_EVIDENCE]:
+        when = f" · {esc(_iso(e['ts_us']))}" if e.get("ts_us") is not None else ""
+        rank = f" · rank {esc(e['rank'])}" if e.get("rank") is not None else ""
+        rows.append(f'<li><span class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}{when}{rank}</span>'
+                    f'<pre class="line">{esc(e.get("text"))}</pre></li>')
+    more = f'<li class="note">{len(evidence) - MAX_EVIDENCE} more not shown</li>' if len(evidence) > MAX_EVIDENCE else ""
+    return "<ul>" + "".join(rows) + more + "</ul>"
+
+
+def _findings_html(found: list[dict]) -> str:
+    if not found:
+        return '<section id="findings"><h2>Findings</h2><p class="note">No performance finding.</p></section>'
+    rows = []
+    for f in found:
+        cites = "".join(f'<div class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}</div>' for e in (f.get("evidence") or [])[:3])
+        rows.append(f"<tr><td>{esc(f.get('id'))}</td><td>{esc(f.get('rank') if f.get('rank') is not None else '')}</td>"
+                    f"<td>{esc(f.get('detail'))}{cites}</td></tr>")
+    return ('<section id="findings"><h2>Findings</h2><table><tr><th>id</th><th>rank</th><th>detail</th></tr>'
+            + "".join(rows) + "</table></section>")
+
+
+def _inventory_html(con: duckdb.DuckDBPyConnection) -> str:
+    files = _q(con, f"""SELECT path, format, kind, bytes, lines, status, message FROM files
+                        ORDER BY path LIMIT {MAX_INVENTORY + 1}""")
+    total = int(con.execute("SELECT count(*) FROM files").fetchall()[0][0])
+    rows = "".join(
+        f"<tr><td class=\"cite\">{esc(r['path'])}</td><td>{esc(r['format'])}</td><td>{esc(r['kind'])}</td>"
+        f"<td>{esc(r['bytes'])}</td><td>{esc(r['lines'])}</td><td>{esc(r['status'])}</td><td>{esc(r['message'] or '')}</td></tr>"
+        for r in files.head(MAX_INVENTORY).iter_rows(named=True))
+    more = f'<p class="note">{total - MAX_INVENTORY} more file(s) not listed.</p>' if total > MAX_INVENTORY else ""
+    return (f'<section id="inventory"><h2>Files ({total})</h2><table><tr><th>path</th><th>format</th><th>kind</th>'
+            f"<th>bytes</th><th>lines</th><th>status</th><th>message</th></tr>{rows}</table>{more}</section>")
+
+
+def _fallback_evidence(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    """Without a diagnosis: the first ERROR/FATAL line of each file."""
+    df = _q(con, """
+        SELECT f.path AS file, l.line_no AS line, l.text
+        FROM lines l JOIN files f USING (file_id)
+        WHERE l.level IN ('ERROR', 'FATAL')
+        QUALIFY row_number() OVER (PARTITION BY l.file_id ORDER BY l.line_no) = 1
+        ORDER BY l.ts NULLS LAST, f.path LIMIT 20""")
+    return df.to_dicts()
+
+
+def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyConnection) -> int | None:
+    if diag and diag.get("root_causes"):
+        step = diag["root_causes"][0].get("step")
+        if step is not None:
+            return int(step)
+        first = next((e for e in evidence if e.get("_cause") == 0 and e.get("ts_us") is not None), None)
+        if first:
+            row = con.execute("SELECT max(step) FROM phase_log_steps WHERE rank IS NULL AND start_us <= ?",
+                              [first["ts_us"]]).fetchall()
+            if row and row[0][0] is not None:
+                return int(row[0][0])
+    return None
+
+
+def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") -> tuple[str, ReportResult]:
+    """Build the report HTML from an open database connection."""
+    import plotly.offline
+
+    from . import findings as fd
+
+    t_start = time.perf_counter()
+    notes: list[str] = []
+    with ph.cached(con):
+        diag, diag_note = _diagnosis(con)
+        if diag_note:
+            notes.append(diag_note)
+        evidence: list[dict] = []
+        if diag:
+            for i, rc in enumerate(diag.get("root_causes") or []):
+                evidence += [{**e, "_cause": i} for e in rc.get("evidence") or []]
+        else:
+            evidence = [{**e, "_cause": 0} for e in _fallback_evidence(con)]
+        evidence = _locate_evidence(con, evidence)
+        found = list(diag.get("findings") or []) if diag else []
+        seen = {(f.get("id"), f.get("rank"), f.get("detail")) for f in found}
+        for f in fd.findings(con):
+            if (f["id"], f["rank"], f["detail"]) not in seen:
+                found.append(f)
+        failure_step = _failure_step(diag, evidence, con)
+        timeline, tinfo = _timeline_figure(con, evidence)
+        steps_fig, _ = _steps_figure(con, failure_step)
+        metrics_fig = _metrics_figure(con, failure_step)
+        inventory = _inventory_html(con)
+    if tinfo["aggregated"]:
+        notes.append(f"The timeline has {tinfo['spans']:,} spans and GPU intervals; to stay responsive it draws "
+                     f"{tinfo['segments']:,} bars: spans shorter than {tinfo['bin_s']:.3g} s are aggregated into bins of that "
+                     "width (each bin shows the phase that filled most of it). Query `phase_timeline` for every span.")
+    data = {"figures": {"timeline": timeline, "steps": steps_fig, "metrics": metrics_fig}}
+    generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    db_name = con.execute("SELECT current_database()").fetchall()[0][0]
+    verdict = (diag or {}).get("verdict", "unknown")
+    body = [
+        f"<header><h1>{esc(title)}</h1><div class=\"sub\">database {esc(db_name)} · generated {esc(generated)} · "
+        f"verdict: {esc(verdict)}</div></header><main>",
+        _card_html(diag, diag_note, evidence),
+        _findings_html(found),
+        '<section id="timeline"><h2>Timeline</h2>',
+        "".join(f'<p class="note">{esc(n)}</p>' for n in notes if not n.startswith("diagnosis")),
+        '<div id="plot-timeline"></div>' if timeline else '<p class="note">No phase spans: no profiler trace, Ray timeline, '
+        "marker lines or timed metrics with time stamps.</p>",
+        '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines.</p></section>',
+        '<section id="steps"><h2>Phases per step</h2>',
+        '<div id="plot-steps"></div>' if steps_fig else '<p class="note">No per-step phase figures.</p>',
+        "</section>",
+        '<section id="metrics"><h2>Training metrics</h2>',
+        '<div id="plot-metrics"></div>' if metrics_fig else '<p class="note">No training metrics.</p>',
+        "</section>",
+        inventory,
+        "</main>",
+    ]
+    page = (
+        "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{esc(title)}</title><style>{CSS}</style>"
+        f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
+        + "".join(body)
+        + f'<script type="application/json" id="report-data">{script_json(data)}</script>'
+        + f"<script>{RENDER_JS}</script></body></html>"
+    )
+    result = ReportResult(path="", bytes=len(page.encode("utf-8")), seconds=time.perf_counter() - t_start,
+                          spans=tinfo["spans"], segments=tinfo["segments"], aggregated=tinfo["aggregated"], notes=notes)
+    return page, result
+
+
+def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | None = None) -> ReportResult:
+    """Write the report of database ``db`` to ``out`` (opened read-only)."""
+    if not os.path.exists(db):
+        raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
+    t0 = time.perf_counter()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        page, result = build(con, title or f"forensics post-mortem: {Path(db).name}")
+    finally:
+        con.close()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    result.path = str(out)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def main(argv: list[str]) -> int:
+    db = argv[0] if argv else "forensics.duckdb"
+    out = argv[1] if len(argv) > 1 else "report.html"
+    r = write_report(db, out)
+    print(f"wrote {r.path} ({r.bytes / 1e6:.1f} MB) in {r.seconds:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,225 @@
+-- Phase attribution, results: `phases`, `phase_steps`, `phase_run_steps`, `phase_timeline`.
+--
+-- For every rank and step: seconds in rollout (with its `logprob` sub-phase), reward, train,
+-- sync, other (checkpoint, validation) and idle, and the source of the figures. Sources, best
+-- first; each (rank, step) takes all its figures from the best source that covers it:
+--   1. `kineto`: PyTorch profiler traces. The step is the `ProfilerStep` span; phases are the
+--      user annotations (gen, update_actor, ...); `idle` is the part of the step no phase
+--      annotation covers. GPU figures (`kernel_s`, `nccl_s`, `wait_s`) come with them.
+--   2. `ray`: Ray timeline task spans per worker; the step window comes from marker lines.
+--   3. `metrics` / `metrics+engine`: verl `timing_s/*` per step (run-level: `rank IS NULL`);
+--      `idle` = `timing_s/step` minus the phases it contains. When a step has no sync metric
+--      (older verl timed weight sync inside `timing_s/gen`) and vLLM/SGLang sleep/wake lines
+--      fall in the step, their seconds become `sync` and leave rollout (`metrics+engine`).
+--   4. `log`: phase start/end marker lines.
+-- `rank IS NULL` rows describe the run as a whole (the driver's timers).
+--
+-- * `phases(rank, step, phase, sub_phase, seconds, source, step_s, in_step, kernel_s, nccl_s, wait_s)`:
+--   one row per phase and sub-phase (phase `idle` included). `step_s` = the step time the
+--   source measured; `in_step = false` marks time measured outside it (verl runs validation
+--   and checkpoint saving after its step timer), so per (rank, step)
+--   `sum(seconds) = step_s + sum(seconds) FILTER (WHERE NOT in_step)`.
+--   `wait_s`: of `seconds`, the time spent in collectives waiting for the last rank.
+-- * `phase_steps`: the same, one row per (rank, step): `rollout_s` (incl. `logprob_s`),
+--   `reward_s`, `train_s`, `sync_s`, `other_s`, `idle_s`, `outside_s` (the not-in-step part
+--   of `other_s`), `step_s`, `wait_s`, and for traces `gpu_busy_s`, `gpu_idle_s`, `nccl_s`,
+--   `late_s` (how much later than the first rank this rank reached its collectives, summed).
+-- * `phase_run_steps`: one row per step for the run: the run-level row when there is one,
+--   else the mean over the ranks (`source` says which, `ranks` how many).
+-- * `phase_timeline(rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no)`:
+--   the spans to draw on a timeline (microseconds since the epoch). Metric-only steps are
+--   laid out in phase order from the step's start marker (`approximate = true`).
+--
+-- ```sql
+-- SELECT step, rank, source, round(rollout_s, 3) AS rollout, round(train_s, 3) AS train,
+--        round(sync_s, 3) AS sync, round(idle_s, 3) AS idle, round(step_s, 3) AS step
+-- FROM phase_steps ORDER BY step, rank NULLS FIRST;
+-- ```
+CREATE OR REPLACE VIEW phases AS
+WITH kin_base AS (
+    SELECT s.rank, s.step, s.phase, s.sub_phase, sum(s.seconds) AS seconds
+    FROM phase_kineto_segments s GROUP BY s.rank, s.step, s.phase, s.sub_phase
+), kin_gpu AS (
+    SELECT rank, step, phase, sub_phase, sum(kernel_s) AS kernel_s, sum(nccl_s) AS nccl_s
+    FROM phase_gpu GROUP BY rank, step, phase, sub_phase
+), kin_wait AS (
+    SELECT rank, step, phase, sub_phase, sum(wait_s) AS wait_s
+    FROM phase_collectives GROUP BY rank, step, phase, sub_phase
+), kin_step AS (
+    SELECT rank, step, sum(step_s) AS step_s FROM phase_profiler_steps GROUP BY rank, step
+), kin AS (
+    SELECT b.rank, b.step, b.phase, b.sub_phase, b.seconds, 'kineto' AS source, k.step_s, true AS in_step,
+           g.kernel_s, g.nccl_s, w.wait_s
+    FROM kin_base b
+    JOIN kin_step k ON k.rank IS NOT DISTINCT FROM b.rank AND k.step = b.step
+    LEFT JOIN kin_gpu g ON g.rank IS NOT DISTINCT FROM b.rank AND g.step = b.step AND g.phase = b.phase
+         AND g.sub_phase IS NOT DISTINCT FROM b.sub_phase
+    LEFT JOIN kin_wait w ON w.rank IS NOT DISTINCT FROM b.rank AND w.step = b.step AND w.phase = b.phase
+         AND w.sub_phase IS NOT DISTINCT FROM b.sub_phase
+), win AS (
+    SELECT rank, step, (end_us - start_us) / 1e6 AS win_s FROM phase_log_steps
+), ray_base AS (
+    SELECT rank, step, phase, sub_phase, sum(seconds) AS seconds
+    FROM phase_spans WHERE source = 'ray' AND rank IS NOT NULL GROUP BY rank, step, phase, sub_phase
+), ray_tot AS (
+    SELECT r.rank, r.step, sum(r.seconds) AS busy,
+           coalesce(max(w.win_s), sum(r.seconds)) AS step_s
+    FROM ray_base r LEFT JOIN win w ON w.rank IS NULL AND w.step = r.step
+    GROUP BY r.rank, r.step
+), ray AS (
+    SELECT rank, step, phase, sub_phase, seconds, 'ray' AS source, NULL::DOUBLE AS step_s FROM ray_base
+    UNION ALL
+    SELECT rank, step, 'idle', NULL, greatest(step_s - busy, 0), 'ray', NULL FROM ray_tot
+), log_base AS (
+    SELECT rank, step, phase, sub_phase, (max(end_us) - min(start_us)) / 1e6 AS seconds
+    FROM phase_spans WHERE source = 'log' GROUP BY rank, step, phase, sub_phase
+), log_tot AS (
+    SELECT l.rank, l.step, sum(l.seconds) AS busy, coalesce(max(w.win_s), sum(l.seconds)) AS step_s
+    FROM log_base l LEFT JOIN win w ON w.rank IS NOT DISTINCT FROM l.rank AND w.step = l.step
+    GROUP BY l.rank, l.step
+), lg AS (
+    SELECT rank, step, phase, sub_phase, seconds, 'log' AS source, NULL::DOUBLE AS step_s FROM log_base
+    UNION ALL
+    SELECT rank, step, 'idle', NULL, greatest(step_s - busy, 0), 'log', NULL FROM log_tot
+), met_raw AS (
+    SELECT step, key, value, source FROM metrics
+    WHERE step IS NOT NULL AND value IS NOT NULL AND isfinite(value)
+      AND regexp_matches(key, phase_setting('timing_prefix_regex'))
+), met AS (
+    SELECT step, key, arg_min(value, CASE source WHEN 'jsonl' THEN 0 WHEN 'console' THEN 1 ELSE 2 END) AS value
+    FROM met_raw GROUP BY step, key
+), met_total AS (
+    SELECT step, max(value) AS step_s FROM met
+    WHERE lower(regexp_replace(key, phase_setting('timing_prefix_regex'), '')) = lower(phase_setting('step_metric'))
+    GROUP BY step
+), met_phase AS (
+    SELECT m.step, n.phase, n.sub_phase, n.in_step, sum(m.value) AS seconds
+    FROM met m JOIN phase_names n ON n.source = 'metrics' AND n.name = m.key
+    GROUP BY m.step, n.phase, n.sub_phase, n.in_step
+), run_win AS (
+    SELECT step, start_ts, end_ts FROM phase_log_steps WHERE rank IS NULL
+), eng AS (
+    SELECT w.step, sum(e.seconds) AS seconds
+    FROM phase_engine e ASOF JOIN run_win w ON e.ts >= w.start_ts
+    WHERE (w.end_ts IS NULL OR e.ts < w.end_ts) AND e.seconds IS NOT NULL AND e.kind IN ('sleep', 'wake')
+    GROUP BY w.step
+), eng_steps AS (
+    SELECT e.step, e.seconds FROM eng e
+    WHERE e.step NOT IN (SELECT step FROM met_phase WHERE phase = 'sync')
+      AND e.step IN (SELECT step FROM met_phase WHERE phase = 'rollout')
+), met_rows AS (
+    SELECT p.step, p.phase, p.sub_phase, p.in_step,
+           CASE WHEN p.phase = 'rollout' AND p.sub_phase = 'generate' AND e.seconds IS NOT NULL
+                THEN greatest(p.seconds - e.seconds, 0) ELSE p.seconds END AS seconds,
+           CASE WHEN e.step IS NULL THEN 'metrics' ELSE 'metrics+engine' END AS source
+    FROM met_phase p LEFT JOIN eng_steps e USING (step)
+    UNION ALL
+    SELECT step, 'sync', 'sleep/wake', true, seconds, 'metrics+engine' FROM eng_steps
+), met_tot AS (
+    SELECT r.step, any_value(r.source) AS source,
+           coalesce(max(t.step_s), sum(r.seconds) FILTER (WHERE r.in_step)) AS step_s,
+           coalesce(sum(r.seconds) FILTER (WHERE r.in_step), 0) AS busy
+    FROM met_rows r LEFT JOIN met_total t USING (step)
+    GROUP BY r.step
+), metr AS (
+    SELECT NULL::INTEGER AS rank, r.step, r.phase, r.sub_phase, r.seconds, r.source, t.step_s, r.in_step
+    FROM met_rows r JOIN met_tot t USING (step)
+    UNION ALL
+    SELECT NULL::INTEGER, step, 'idle', NULL, greatest(step_s - busy, 0), source, step_s, true FROM met_tot
+), others AS (
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, true AS in_step FROM ray
+    UNION ALL SELECT rank, step, phase, sub_phase, seconds, source, step_s, true FROM lg
+), others_tot AS (
+    SELECT o.rank, o.step, o.phase, o.sub_phase, o.seconds, o.source,
+           sum(o.seconds) OVER (PARTITION BY o.rank, o.step, o.source) AS step_s, o.in_step
+    FROM others o
+), all_rows AS (
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, kernel_s, nccl_s, wait_s FROM kin
+    UNION ALL
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL, NULL, NULL FROM others_tot
+    UNION ALL
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL, NULL, NULL FROM metr
+), ranked AS (
+    SELECT *, CASE WHEN source = 'kineto' THEN 1 WHEN source = 'ray' THEN 2
+                   WHEN source LIKE 'metrics%' THEN 3 ELSE 4 END AS pref
+    FROM all_rows
+), best AS (
+    SELECT rank, step, min(pref) AS pref FROM ranked GROUP BY rank, step
+)
+SELECT r.rank, r.step, r.phase, r.sub_phase, r.seconds, r.source, r.step_s, r.in_step, r.kernel_s, r.nccl_s, r.wait_s
+FROM ranked r JOIN best b ON b.rank IS NOT DISTINCT FROM r.rank AND b.step = r.step AND b.pref = r.pref;
+
+CREATE OR REPLACE VIEW phase_steps AS
+WITH p AS (
+    SELECT rank, step, any_value(source) AS source, max(step_s) AS step_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'rollout'), 0) AS rollout_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'rollout' AND sub_phase = 'logprob'), 0) AS logprob_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'reward'), 0) AS reward_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'train'), 0) AS train_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'sync'), 0) AS sync_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'other'), 0) AS other_s,
+           coalesce(sum(seconds) FILTER (WHERE phase = 'idle'), 0) AS idle_s,
+           coalesce(sum(seconds) FILTER (WHERE NOT in_step), 0) AS outside_s,
+           sum(wait_s) AS wait_s
+    FROM phases GROUP BY rank, step
+), g AS (
+    SELECT rank, step, sum(gpu_busy_s) AS gpu_busy_s, sum(gpu_idle_s) AS gpu_idle_s, sum(nccl_s) AS nccl_s
+    FROM phase_gpu_steps GROUP BY rank, step
+), c AS (
+    SELECT rank, step, sum(late_s) AS late_s FROM phase_collectives GROUP BY rank, step
+)
+SELECT p.rank, p.step, p.source, p.step_s, p.rollout_s, p.logprob_s, p.reward_s, p.train_s, p.sync_s,
+       p.other_s, p.idle_s, p.outside_s, p.wait_s,
+       CASE WHEN p.source = 'kineto' THEN g.gpu_busy_s END AS gpu_busy_s,
+       CASE WHEN p.source = 'kineto' THEN g.gpu_idle_s END AS gpu_idle_s,
+       CASE WHEN p.source = 'kineto' THEN g.nccl_s END AS nccl_s,
+       CASE WHEN p.source = 'kineto' THEN c.late_s END AS late_s
+FROM p
+LEFT JOIN g ON g.rank IS NOT DISTINCT FROM p.rank AND g.step = p.step
+LEFT JOIN c ON c.rank IS NOT DISTINCT FROM p.rank AND c.step = p.step;
+
+CREATE OR REPLACE VIEW phase_run_steps AS
+WITH run AS (
+    SELECT step, source, 1 AS ranks, step_s, rollout_s, logprob_s, reward_s, train_s, sync_s, other_s, idle_s, outside_s
+    FROM phase_steps WHERE rank IS NULL
+), per_rank AS (
+    SELECT step, 'mean of ranks (' || string_agg(DISTINCT source, ', ') || ')' AS source, count(*) AS ranks,
+           avg(step_s), avg(rollout_s), avg(logprob_s), avg(reward_s), avg(train_s), avg(sync_s), avg(other_s),
+           avg(idle_s), avg(outside_s)
+    FROM phase_steps WHERE rank IS NOT NULL AND step NOT IN (SELECT step FROM run)
+    GROUP BY step
+)
+SELECT * FROM run
+UNION ALL
+SELECT * FROM per_rank;
+
+CREATE OR REPLACE VIEW phase_timeline AS
+WITH best AS (
+    SELECT DISTINCT rank, step, source FROM phases
+), measured AS (
+    SELECT s.rank, s.step, s.phase, s.sub_phase, s.name, s.start_us, s.end_us, s.source, false AS approximate,
+           s.file_id, s.line_no
+    FROM phase_spans s
+    JOIN best b ON b.rank IS NOT DISTINCT FROM s.rank AND b.step = s.step AND b.source = s.source
+    WHERE s.source <> 'kineto'
+    UNION ALL
+    SELECT k.rank, k.step, k.phase, k.sub_phase, k.name, k.start_us, k.end_us, 'kineto', false, k.file_id, NULL
+    FROM phase_kineto_segments k WHERE k.phase <> 'idle'
+), met AS (
+    SELECT p.rank, p.step, p.phase, p.sub_phase, p.seconds, p.source,
+           CASE p.phase WHEN 'rollout' THEN 1 WHEN 'reward' THEN 2 WHEN 'train' THEN 3 WHEN 'sync' THEN 4
+                        WHEN 'other' THEN 5 ELSE 6 END AS ord
+    FROM phases p
+    WHERE p.source LIKE 'metrics%' AND p.phase <> 'idle' AND p.seconds > 0
+), laid AS (
+    SELECT m.*, w.start_us AS step_start,
+           sum(m.seconds) OVER (PARTITION BY m.step ORDER BY m.ord, m.sub_phase ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_s
+    FROM met m JOIN phase_log_steps w ON w.rank IS NULL AND w.step = m.step
+)
+SELECT rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no FROM measured
+UNION ALL
+SELECT rank, step, phase, sub_phase, phase || coalesce('/' || sub_phase, '') AS name,
+       step_start + coalesce(before_s, 0) * 1e6 AS start_us,
+       step_start + (coalesce(before_s, 0) + seconds) * 1e6 AS end_us,
+       source, true, NULL::INTEGER, NULL::BIGINT
+FROM laid;
