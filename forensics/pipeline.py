@@ -30,7 +30,7 @@ import parsers
 from parsers.base import FileContext
 
 from . import detect as det
-from .store import Store, write_part
+from .store import FILES, PROBLEMS, Store, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
@@ -219,14 +219,10 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
     ends_nl = False
     error = None
     dbg = None
-    counter = 0
     try:
         parse = parsers.parser_for(d.format)
         if parse is None:
             raise LookupError(f"no parser for format {d.format}")
-        from .store import all_tables
-
-        tables = {t.name: t for t in all_tables()}
         with open(task.abs_path, "rb") as raw:
             if task.start_offset and not d.compressed:
                 # a grown file: hash the old prefix too (the store compares it)
@@ -239,17 +235,7 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
                     remaining -= len(block)
             reader = _HashingReader(raw, hasher)
             stream = det.gzip.GzipFile(fileobj=reader, mode="rb") if d.compressed else reader
-            for name, frame in parse(stream, ctx):
-                table = tables.get(name)
-                if table is None:
-                    raise KeyError(f"parser produced rows for unknown table {name!r}")
-                arrow = table.conform(frame)
-                if arrow.num_rows == 0:
-                    continue
-                counter += 1
-                path = os.path.join(spool, f"{task.file_id}-{counter:06d}-{name}.arrow")
-                write_part(path, arrow)
-                parts.setdefault(name, []).append(path)
+            _spool(parse(stream, ctx), spool, f"{task.file_id}", parts)
             # drain what the parser did not read, so the hash covers the whole file
             while reader.read(HASH_BLOCK):
                 pass
@@ -269,6 +255,108 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
         for p in ctx.problems
     ]
     return FileResult(task, parts, problems, ctx.lines, ctx.unparsed_lines, ctx.truncated, sha, ends_nl, error, dbg)
+
+
+def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]]) -> None:
+    """Write each (table, frame) a parser yields as an Arrow IPC part under ``spool``."""
+    from .store import all_tables
+
+    tables = {t.name: t for t in all_tables()}
+    for name, frame in frames:
+        table = tables.get(name)
+        if table is None:
+            raise KeyError(f"parser produced rows for unknown table {name!r}")
+        arrow = table.conform(frame)
+        if arrow.num_rows == 0:
+            continue
+        path = os.path.join(spool, f"{prefix}-{sum(map(len, parts.values())):06d}-{name}.arrow")
+        write_part(path, arrow)
+        parts.setdefault(name, []).append(path)
+
+
+@dataclass
+class JobResult:
+    """Parsed files and the parts holding their rows (shared when files were batched)."""
+
+    results: list[FileResult]
+    parts: dict[str, list[str]]
+
+
+SMALL_FILE = 1 << 20  # text files up to this size are parsed in batches
+BATCH_BYTES = 8 << 20
+BATCH_FILES = 2000
+
+
+def batchable(task: FileTask) -> bool:
+    d = task.detected
+    return d.kind == "text" and d.format in parsers.TEXT_FORMATS and not d.compressed and task.size <= SMALL_FILE and task.start_offset == 0
+
+
+def make_jobs(tasks: list[FileTask]) -> list[list[FileTask]]:
+    """Big or special files alone; small text files grouped into batches."""
+    jobs: list[list[FileTask]] = []
+    current: list[FileTask] = []
+    size = 0
+    for task in sorted(tasks, key=lambda t: -t.size):
+        if not batchable(task):
+            jobs.append([task])
+            continue
+        current.append(task)
+        size += task.size
+        if size >= BATCH_BYTES or len(current) >= BATCH_FILES:
+            jobs.append(current)
+            current, size = [], 0
+    if current:
+        jobs.append(current)
+    return jobs
+
+
+def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult:
+    """Parse one job (runs in a worker process). Never raises."""
+    if len(job) == 1:
+        res = parse_one(job[0], spool, debug)
+        return JobResult([res], _kept_parts([res]))
+    from parsers.text import parse_text_batch
+
+    sources = []
+    results = []
+    try:
+        for task in job:
+            d = task.detected
+            with open(task.abs_path, "rb") as fh:
+                data = fh.read()
+            ctx = FileContext(file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
+                              node=d.node, pid=d.pid, rank=d.rank, actor=d.actor)
+            sources.append((data, ctx))
+            results.append(FileResult(task, {}, [], 0, 0, False, hashlib.sha256(data).hexdigest(), data.endswith(b"\n")))
+        parts: dict[str, list[str]] = {}
+        _spool(parse_text_batch(sources), spool, f"b{job[0].file_id}", parts)
+    except Exception:
+        # a file the batch could not take (vanished, unreadable, parser bug): parse each
+        # file on its own so that one bad file only fails itself
+        for paths in locals().get("parts", {}).values():
+            for p in paths:
+                os.unlink(p)
+        singles = [parse_one(t, spool, debug) for t in job]
+        return JobResult(singles, _kept_parts(singles))
+    for res, (_, ctx) in zip(results, sources):
+        res.lines, res.unparsed = ctx.lines, ctx.unparsed_lines
+        res.problems = [{"file_id": ctx.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message} for p in ctx.problems]
+    return JobResult(results, parts)
+
+
+def _kept_parts(results: list[FileResult]) -> dict[str, list[str]]:
+    """The parts of the files that parsed; a file whose parser failed loads no rows
+    (its part files are removed)."""
+    merged: dict[str, list[str]] = {}
+    for r in results:
+        for k, v in r.parts.items():
+            if r.error:
+                for p in v:
+                    os.unlink(p)
+            else:
+                merged.setdefault(k, []).extend(v)
+    return merged
 
 
 # -- orchestration -----------------------------------------------------------------
@@ -420,24 +508,29 @@ def ingest(
         batch = _Batch(store)
         total = len(tasks)
         done = 0
-        # biggest files first keeps the pool busy
-        tasks.sort(key=lambda t: -t.size)
+        jobs = make_jobs(tasks)  # biggest first keeps the pool busy
 
-        def finish(res: FileResult) -> None:
+        def finish(job: JobResult) -> None:
             nonlocal done
-            done += 1
-            batch.add(_load(store, res, summary, debug, batch))
-            for paths_ in res.parts.values():
+            done += len(job.results)
+            batch.ensure()
+            for res in job.results:
+                _load(store, res, summary, debug)
+            counts = store.insert_parts(job.parts)
+            for k, v in counts.items():
+                summary.rows_added[k] = summary.rows_added.get(k, 0) + v
+            batch.add(len(job.results), sum(counts.values()))
+            for paths_ in job.parts.values():
                 for p in paths_:
                     try:
                         os.unlink(p)
                     except OSError:
                         pass
             if progress:
-                progress(done, total, res.task.rel)
+                progress(done, total, job.results[-1].task.rel)
 
         try:
-            _run_tasks(tasks, spool, workers, debug, finish)
+            _run_jobs(jobs, spool, workers, debug, finish)
             batch.close()
         except BaseException:
             batch.abort()
@@ -469,8 +562,8 @@ class _Batch:
             self.store.begin()
             self.open, self.files, self.rows, self.t0 = True, 0, 0, time.perf_counter()
 
-    def add(self, rows: int) -> None:
-        self.files += 1
+    def add(self, files: int, rows: int) -> None:
+        self.files += files
         self.rows += rows
         if self.files >= self.MAX_FILES or self.rows >= self.MAX_ROWS or time.perf_counter() - self.t0 > self.MAX_SECONDS:
             self.close()
@@ -486,19 +579,19 @@ class _Batch:
             self.store.rollback()
 
 
-def _run_tasks(tasks: list[FileTask], spool: str, workers: int, debug: bool, finish: Callable[[FileResult], None]) -> None:
-    """Parse ``tasks`` (in a process pool when there is more than one worker) and hand
+def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool, finish: Callable[[JobResult], None]) -> None:
+    """Parse ``jobs`` (in a process pool when there is more than one worker) and hand
     each result to ``finish`` in the main process, the only database writer."""
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            finish(parse_one(task, spool, debug))
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            finish(parse_job(job, spool, debug))
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         pending: set[Future] = set()
-        it = iter(tasks)
-        # keep a bounded number of parsed-but-not-loaded files in flight
-        for task in it:
-            pending.add(pool.submit(parse_one, task, spool, debug))
+        it = iter(jobs)
+        # keep a bounded number of parsed-but-not-loaded jobs in flight
+        for job in it:
+            pending.add(pool.submit(parse_job, job, spool, debug))
             if len(pending) >= workers * 2:
                 break
         while pending:
@@ -507,11 +600,12 @@ def _run_tasks(tasks: list[FileTask], spool: str, workers: int, debug: bool, fin
                 finish(fut.result())
                 nxt = next(it, None)
                 if nxt is not None:
-                    pending.add(pool.submit(parse_one, nxt, spool, debug))
+                    pending.add(pool.submit(parse_job, nxt, spool, debug))
 
 
-def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool, batch: _Batch) -> int:
-    """Load one parsed file into the open batch transaction; return its row count."""
+def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> None:
+    """Record one parsed file (its ``files`` row and problems) in the open transaction,
+    after removing its old rows; its data rows come with the job's parts."""
     task, d = res.task, res.task.detected
     lines_total = res.lines + (task.start_line - 1)
     status = "ok"
@@ -541,12 +635,11 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool, ba
         if prev:
             row["unparsed_lines"] += int(prev[0] or 0)
             row["parse_errors"] += int(prev[1] or 0)
-    batch.ensure()
-    counts = store.load_file(row, res.parts, res.problems, task.replace_from_line, is_new=task.is_new)
-    for k, v in counts.items():
-        summary.rows_added[k] = summary.rows_added.get(k, 0) + v
+    if not task.is_new:
+        store.delete_file_rows(task.file_id, task.replace_from_line)
+    store.insert_rows(PROBLEMS, res.problems)
+    store.insert_rows(FILES, [row])
     summary.files_loaded += 1
     summary.bytes_read += task.size - task.start_offset
     summary.unparsed_lines += res.unparsed
     summary.files_by_format[d.format] = summary.files_by_format.get(d.format, 0) + 1
-    return sum(counts.values())

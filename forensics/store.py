@@ -188,35 +188,24 @@ class Store:
     def rollback(self) -> None:
         self.con.execute("ROLLBACK")
 
-    def load_file(
-        self,
-        file_row: dict,
-        parts: dict[str, list[str]],
-        problems: list[dict],
-        replace_from_line: int | None,
-        is_new: bool = False,
-    ) -> dict[str, int]:
-        """Load one file's spooled parts and its ``files`` row. Call between
-        :meth:`begin` and :meth:`commit`: the rows and the ``files`` row land together.
-
-        ``replace_from_line``: None = the file is new or fully re-parsed (all its old
-        rows go); N = a grown file, rows from line N on are replaced. ``is_new``: the
-        file_id has no rows yet (nothing to delete).
-        """
+    def delete_file_rows(self, file_id: int, replace_from_line: int | None) -> None:
+        """Remove a file's rows before it is loaded again: all of them, or (a grown
+        file) those from ``replace_from_line`` on. Its ``files`` row goes too."""
         con = self.con
-        fid = file_row["file_id"]
+        for t in self.tables_with_file_rows():
+            if replace_from_line is None:
+                con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ?', [file_id])
+            elif any(c.name == "line_no" for c in t.columns):
+                con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ? AND line_no >= ?', [file_id, replace_from_line])
+        con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
+
+    def insert_parts(self, parts: dict[str, list[str]]) -> dict[str, int]:
+        """Insert spooled Arrow IPC parts; return rows added per table."""
+        con = self.con
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
-        if not is_new:
-            for t in self.tables_with_file_rows():
-                if replace_from_line is None:
-                    con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ?', [fid])
-                elif any(c.name == "line_no" for c in t.columns):
-                    con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ? AND line_no >= ?', [fid, replace_from_line])
-            con.execute("DELETE FROM files WHERE file_id = ?", [fid])
         for name, paths in parts.items():
-            table = by_name.get(name)
-            if table is None:
+            if name not in by_name:
                 raise KeyError(f"parser produced rows for unknown table {name!r}")
             for p in paths:
                 with pa.memory_map(p) as source:
@@ -225,22 +214,19 @@ class Store:
                 con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
                 con.unregister("_part")
                 counts[name] = counts.get(name, 0) + arrow.num_rows
-        if problems:
-            con.register("_probs", pa.Table.from_pylist(problems, schema=PROBLEMS.arrow_schema))
-            con.execute("INSERT INTO problems SELECT * FROM _probs")
-            con.unregister("_probs")
-        con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
-        con.execute("INSERT INTO files SELECT * FROM _file")
-        con.unregister("_file")
         return counts
+
+    def insert_rows(self, table: Table, rows: list[dict]) -> None:
+        if not rows:
+            return
+        self.con.register("_rows", pa.Table.from_pylist(rows, schema=table.arrow_schema))
+        self.con.execute(f'INSERT INTO "{table.name}" SELECT * FROM _rows')
+        self.con.unregister("_rows")
 
     def record_skipped(self, file_row: dict) -> None:
         """Record a file that was not parsed (call inside a transaction)."""
-        con = self.con
-        con.execute("DELETE FROM files WHERE file_id = ?", [file_row["file_id"]])
-        con.register("_file", pa.Table.from_pylist([file_row], schema=FILES.arrow_schema))
-        con.execute("INSERT INTO files SELECT * FROM _file")
-        con.unregister("_file")
+        self.con.execute("DELETE FROM files WHERE file_id = ?", [file_row["file_id"]])
+        self.insert_rows(FILES, [file_row])
 
     def fix_yearless_timestamps(self) -> int:
         """Stamps printed without a year (glog, vLLM, syslog) in files that had no full
@@ -258,9 +244,11 @@ class Store:
                    ts_quality = CASE WHEN ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END
                 WHERE year(ts) = {YEARLESS} AND ts_quality IN ('no_year', 'inherited')"""
         ).fetchone()
-        self.con.execute(
-            f"UPDATE metrics SET ts = ts + to_years({year - YEARLESS}) WHERE year(ts) = {YEARLESS}"
-        )
+        for table in all_tables():  # rows derived from lines carry the line's ts
+            if table.name != "lines" and any(c.name == "ts" for c in table.columns):
+                self.con.execute(
+                    f'UPDATE "{table.name}" SET ts = ts + to_years({year - YEARLESS}) WHERE year(ts) = {YEARLESS}'
+                )
         return int(n[0]) if n else 0
 
     def table_counts(self) -> dict[str, int]:

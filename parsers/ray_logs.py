@@ -63,27 +63,29 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         "tid": g("tid").cast(pl.Int64),
         "actor": coalesce_into("actor", g("comp")),
     })
-    if ctx.fmt == "ray_worker":
+    if (df.get_column("_fmt") == "ray_worker").any():
         df = _worker_markers(df, ctx)
     return df, {}
 
 
-def _worker_markers(df: pl.DataFrame, ctx: FileContext) -> pl.DataFrame:
-    """``:actor_name:X`` sets the actor for the lines that follow it (until the next marker)."""
+def _worker_markers(df: pl.DataFrame, ctx) -> pl.DataFrame:
+    """``:actor_name:X`` / ``:task_name:X`` set the actor of the lines that follow it in
+    a worker file (until the next marker; a big file carries it across chunks)."""
     m = df.get_column("message").str.extract_groups(_MARKER)
     kind, value = m.struct.field("1"), m.struct.field("2")
-    if kind.is_null().all():
-        if ctx.actor is None:
-            return df
-        return df.with_columns(pl.coalesce(pl.col("actor"), pl.lit(ctx.actor)).alias("actor"))
-    prev = ctx.actor
-    owner = pl.when(kind.is_in(["actor_name", "task_name"])).then(value)
+    is_worker = pl.col("_fmt") == "ray_worker"
+    carried = {fid: ctx.state.get(("ray_actor", fid)) for fid in ctx.files}
+    prev = pl.col("file_id").replace_strict(carried, default=None, return_dtype=pl.String)
+    owner = value.zip_with(kind.is_in(["actor_name", "task_name"]).fill_null(False), pl.Series([None] * len(value), dtype=pl.String))
     df = df.with_columns(owner.alias("_owner"), kind.is_not_null().alias("_mk"))
-    df = df.with_columns(pl.col("_owner").forward_fill().fill_null(pl.lit(prev, pl.String)))
-    owners = df.get_column("_owner").drop_nulls()
-    if owners.len():
-        ctx.actor = owners[-1]  # the next chunk continues with the last owner
+    df = df.with_columns(
+        pl.when(is_worker).then(pl.coalesce(pl.col("_owner").forward_fill().over("file_id"), prev)).alias("_owner")
+    )
+    last = df.filter(is_worker).group_by("file_id").agg(pl.col("_owner").drop_nulls().last())
+    for fid, owner in last.iter_rows():
+        if owner is not None:
+            ctx.state[("ray_actor", fid)] = owner
     return df.with_columns(
         pl.coalesce(pl.col("_owner"), pl.col("actor")).alias("actor"),
-        pl.when(pl.col("_mk")).then(pl.lit("ray_marker")).otherwise(pl.col("header")).alias("header"),
+        pl.when(pl.col("_mk") & is_worker).then(pl.lit("ray_marker")).otherwise(pl.col("header")).alias("header"),
     ).drop("_owner", "_mk")

@@ -100,23 +100,34 @@ def split_lines(chunk: bytes, first_line: int, first_offset: int) -> tuple[pl.Da
     return df, bad
 
 
-def base_columns(df: pl.DataFrame, ctx: FileContext) -> pl.DataFrame:
-    """Add the provenance columns with the file-level hints and a cleaned ``message``."""
+def lines_frame(data: bytes, ctx: FileContext, first_line: int, first_offset: int) -> pl.DataFrame:
+    """One file's chunk as lines, with the file's id, format and hints as columns (so
+    lines of many small files can be annotated together in one frame)."""
+    df, bad = split_lines(data, first_line, first_offset)
+    if bad:
+        ctx.problem(f"{bad} line(s) with bytes that are not UTF-8 (kept, shown as U+FFFD)", int(df["line_no"][0]), "warning")
+    return df.with_columns(
+        pl.lit(ctx.file_id, pl.Int32).alias("file_id"),
+        pl.lit(ctx.fmt, pl.String).alias("_fmt"),
+        pl.lit(ctx.actor, pl.String).alias("actor"),
+        pl.lit(ctx.pid, pl.Int64).alias("pid"),
+        pl.lit(ctx.node, pl.String).alias("node"),
+        pl.lit(ctx.rank, pl.Int32).alias("rank"),
+    )
+
+
+def base_columns(df: pl.DataFrame) -> pl.DataFrame:
+    """Add the empty provenance columns and a cleaned ``message``."""
     msg = pl.col("text").str.replace_all(_ANSI, "")
     # progress bars: keep the last non-empty \r segment
     last_seg = msg.str.replace(r"\r+$", "").str.extract(r"([^\r]*)$", 1)
     return df.with_columns(
-        pl.lit(ctx.file_id, pl.Int32).alias("file_id"),
         pl.lit(None, pl.Datetime("us")).alias("ts"),
         pl.lit(None, pl.String).alias("ts_quality"),
         pl.lit(None, pl.String).alias("level"),
         pl.lit(None, pl.String).alias("header"),
         pl.lit(None, pl.String).alias("logger"),
-        pl.lit(ctx.actor, pl.String).alias("actor"),
-        pl.lit(ctx.pid, pl.Int64).alias("pid"),
         pl.lit(None, pl.Int64).alias("tid"),
-        pl.lit(ctx.node, pl.String).alias("node"),
-        pl.lit(ctx.rank, pl.Int32).alias("rank"),
         pl.lit(None, pl.Int32).alias("local_rank"),
         pl.lit(None, pl.Int32).alias("repeat"),
         pl.lit(None, pl.Int64).alias("event_line"),
@@ -202,7 +213,7 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     start = msg.str.contains(r"^\s*Traceback \(most recent call last\):")
     if not df.select(start.any()).item():
         return df
-    key = [pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
+    key = [pl.col("file_id"), pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
     indented = msg.str.contains(r"^(?:\s|\^|~)") | (msg.str.strip_chars() == "")
     tmp = df.with_columns(
         start.alias("_st"),
@@ -222,17 +233,16 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     ).drop("_st", "_br", "_sl", "_cb", "_cb0")
 
 
-def mark_continuations(df: pl.DataFrame, always: bool = False) -> pl.DataFrame:
+def mark_continuations(df: pl.DataFrame, always: pl.Expr | bool = False) -> pl.DataFrame:
     """In logs where (almost) every record starts with a header, a line without one
     continues the record above it (Ray's multi-line stats dumps, wrapped messages):
-    ``event_line`` = the line_no of that record's header line."""
+    ``event_line`` = the line_no of that record's header line. ``always``: a per-row
+    condition (e.g. on the file format) that applies the rule whatever the share."""
     headed = pl.col("header").is_not_null()
-    share = df.select(headed.mean()).item() or 0.0
-    if share < 0.6 and not always:
-        return df
-    owner = pl.when(headed).then(pl.col("line_no")).forward_fill()
+    applies = (headed.mean().over("file_id") >= 0.6) | always
+    owner = pl.when(headed).then(pl.col("line_no")).forward_fill().over("file_id")
     return df.with_columns(
-        pl.when(~headed & pl.col("event_line").is_null()).then(owner).otherwise(pl.col("event_line")).alias("event_line")
+        pl.when(applies & ~headed & pl.col("event_line").is_null()).then(owner).otherwise(pl.col("event_line")).alias("event_line")
     )
 
 
@@ -253,62 +263,100 @@ def line_formats() -> list[Annotator]:
     ]
 
 
+class ChunkContext:
+    """What the line-format modules see besides the frame: the files the frame's lines
+    come from (a frame holds one chunk of one big file or many small files whole) and
+    state that a big file carries from one chunk to the next (per module, per file)."""
+
+    def __init__(self, files: dict[int, FileContext]):
+        self.files = files
+        self.state: dict[tuple[str, int], object] = {}
+
+    def problem(self, file_id: int, message: str, line_no: int | None = None, kind: str = "error") -> None:
+        self.files[file_id].problem(message, line_no, kind)
+
+
+def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
+    """Run every line-format module over a lines frame (see :func:`lines_frame`)."""
+    df = base_columns(df)
+    extras: dict[str, list[pl.DataFrame]] = {}
+    for annotate in line_formats():
+        df, more = annotate(df, cctx)
+        for name, frame in more.items():
+            if frame is not None and frame.height:
+                extras.setdefault(name, []).append(frame)
+    df = mark_tracebacks(df)
+    # Ray's daemon logs (raylet, gcs, core workers, monitor) put a header on every record
+    df = mark_continuations(df, always=pl.col("_fmt").str.starts_with("ray_") & ~pl.col("_fmt").is_in(["ray_worker", "ray_events"]))
+    df = _finish_timestamps(df, cctx)
+    unparsed = df.group_by("file_id").agg(
+        (pl.col("header").is_null() & pl.col("event_line").is_null() & pl.col("message").str.strip_chars().ne("")).sum().alias("u"),
+        pl.len().alias("n"),
+    )
+    for fid, u, n in unparsed.iter_rows():
+        cctx.files[fid].unparsed_lines += int(u)
+        cctx.files[fid].lines += int(n)
+    stamps = df.select("file_id", "line_no", pl.col("ts").alias("_line_ts"))
+    out = {name: _line_stamped(pl.concat(frames, how="diagonal_relaxed"), stamps) for name, frames in extras.items()}
+    return df.select([c.name for c in LINES.columns]), out
+
+
 def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTES) -> ParseOutput:
-    """Parse a text log into ``lines`` plus the tables of the line-format modules."""
-    formats = line_formats()
+    """Parse one text log, chunk by chunk, into ``lines`` plus the line-format tables."""
+    cctx = ChunkContext({ctx.file_id: ctx})
     line_no = ctx.start_line
     offset = ctx.start_offset
-    year_hint: int | None = None
-    last_ts = None
     for chunk in iter_chunks(stream, chunk_bytes):
-        df, bad = split_lines(chunk, line_no, offset)
-        if bad:
-            ctx.problem(f"{bad} line(s) with bytes that are not UTF-8 (kept, shown as U+FFFD)", int(df["line_no"][0]), "warning")
+        df = lines_frame(chunk, ctx, line_no, offset)
         line_no += df.height
         offset += len(chunk)
-        df = base_columns(df, ctx)
-        extras: dict[str, list[pl.DataFrame]] = {}
-        for annotate in formats:
-            df, more = annotate(df, ctx)
-            for name, frame in more.items():
-                if frame is not None and frame.height:
-                    extras.setdefault(name, []).append(frame)
-        df = mark_tracebacks(df)
-        # Ray's daemon logs (raylet, gcs, core workers, monitor) put a header on every record
-        df = mark_continuations(df, always=ctx.fmt.startswith("ray_") and ctx.fmt not in ("ray_worker", "ray_events"))
-        df, year_hint, last_ts = _finish_timestamps(df, year_hint, last_ts)
-        ctx.lines += df.height
-        ctx.unparsed_lines += int(df.select(
-            pl.col("header").is_null() & pl.col("event_line").is_null() & pl.col("message").str.strip_chars().ne("")
-        ).sum().item())
-        yield "lines", df.select([c.name for c in LINES.columns])
-        for name, frames in extras.items():
-            yield name, pl.concat(frames, how="diagonal_relaxed")
+        lines, extras = annotate_chunk(df, cctx)
+        yield "lines", lines
+        yield from extras.items()
 
 
-def _finish_timestamps(df: pl.DataFrame, year_hint: int | None, last_ts):
-    """Year-less stamps take the year of the file's full stamps when it has some (the
-    store fixes the rest run-wide); stamp-less lines inherit the previous stamp."""
-    full = df.filter(pl.col("ts_quality") == "full").get_column("ts")
-    if year_hint is None and full.len():
-        year_hint = full.dt.year().min()
-    if year_hint is not None and (df.get_column("ts_quality") == "no_year").any():
-        df = df.with_columns(
-            pl.when(pl.col("ts_quality") == "no_year")
-            .then(pl.col("ts").dt.offset_by(f"{year_hint - YEARLESS}y"))
-            .otherwise(pl.col("ts"))
-            .alias("ts"),
-            pl.when(pl.col("ts_quality") == "no_year").then(pl.lit("year_inferred")).otherwise(pl.col("ts_quality")).alias("ts_quality"),
-        )
-    has = pl.col("ts").is_not_null()
-    filled = pl.col("ts").forward_fill()
-    if last_ts is not None:
-        filled = filled.fill_null(pl.lit(last_ts, pl.Datetime("us")))
+def parse_text_batch(sources: list[tuple[bytes, FileContext]]) -> ParseOutput:
+    """Parse many small text files (each given whole) in one frame: the per-file cost of
+    the vectorised pipeline is paid once per batch instead of once per file."""
+    frames = [lines_frame(data, ctx, ctx.start_line, ctx.start_offset) for data, ctx in sources if data]
+    if not frames:
+        return
+    cctx = ChunkContext({ctx.file_id: ctx for _, ctx in sources})
+    lines, extras = annotate_chunk(pl.concat(frames), cctx)
+    yield "lines", lines
+    yield from extras.items()
+
+
+def _line_stamped(frame: pl.DataFrame, stamps: pl.DataFrame) -> pl.DataFrame:
+    """Rows a line-format module derived from lines take the line's final ``ts`` (year
+    inferred, inherited), which is only known once the whole chunk is annotated."""
+    if "ts" not in frame.columns or "line_no" not in frame.columns or "file_id" not in frame.columns:
+        return frame
+    return frame.join(stamps, on=["file_id", "line_no"], how="left", maintain_order="left").with_columns(
+        pl.col("_line_ts").alias("ts")
+    ).drop("_line_ts")
+
+
+def _finish_timestamps(df: pl.DataFrame, cctx: ChunkContext) -> pl.DataFrame:
+    """Year-less stamps take the year of their file's full stamps when it has some (the
+    store fixes the rest run-wide); stamp-less lines inherit the previous stamp of
+    their file. A big file carries its year and last stamp across chunks."""
+    full_year = pl.when(pl.col("ts_quality") == "full").then(pl.col("ts").dt.year()).min().over("file_id")
+    carried = {fid: cctx.state.get(("ts", fid)) for fid in cctx.files}
+    prev_year = pl.col("file_id").replace_strict({f: (v or (None, None))[0] for f, v in carried.items()}, default=None, return_dtype=pl.Int32)
+    prev_ts = pl.col("file_id").replace_strict({f: (v or (None, None))[1] for f, v in carried.items()}, default=None, return_dtype=pl.Datetime("us"))
+    df = df.with_columns(pl.coalesce(prev_year, full_year).alias("_year"))
+    no_year = (pl.col("ts_quality") == "no_year") & pl.col("_year").is_not_null()
     df = df.with_columns(
-        pl.when(has).then(pl.col("ts_quality")).when(filled.is_not_null()).then(pl.lit("inherited")).alias("ts_quality"),
+        pl.when(no_year).then(pl.col("ts").dt.offset_by(pl.format("{}y", pl.col("_year") - YEARLESS))).otherwise(pl.col("ts")).alias("ts"),
+        pl.when(no_year).then(pl.lit("year_inferred")).otherwise(pl.col("ts_quality")).alias("ts_quality"),
+    )
+    filled = pl.coalesce(pl.col("ts").forward_fill().over("file_id"), prev_ts)
+    df = df.with_columns(
+        pl.when(pl.col("ts").is_not_null()).then(pl.col("ts_quality")).when(filled.is_not_null()).then(pl.lit("inherited")).alias("ts_quality"),
         filled.alias("ts"),
     )
-    tail = df.get_column("ts").drop_nulls()
-    if tail.len():
-        last_ts = tail[-1]
-    return df, year_hint, last_ts
+    last = df.group_by("file_id").agg(pl.col("_year").first(), pl.col("ts").drop_nulls().last())
+    for fid, year, ts in last.iter_rows():
+        cctx.state[("ts", fid)] = (year, ts)
+    return df.drop("_year")

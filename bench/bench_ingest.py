@@ -1,0 +1,155 @@
+"""Benchmark: text-log ingest throughput and memory, with `grep -rcE` as the floor.
+
+    python bench/bench_ingest.py [--size-mb 1024] [--corpus ../shared/corpus] [--workers 0] [--keep]
+
+Builds a folder of about --size-mb of text logs by replicating the text files of the
+corpus (each copy shifts its timestamps and varies pids and host names, so rows are not
+identical), then prints, in one run: MB/s and peak RSS (whole process tree) of
+`forensics ingest` on it, and the time of `grep -rcE` over the same folder with a few
+typical error patterns. The folder goes to bench/data/ (git-ignored) and is removed
+unless --keep is given.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+TEXT_SUFFIXES = (".log", ".out", ".err", ".txt", ".jsonl")
+GREP_PATTERNS = [
+    "out of memory", "Watchdog caught collective operation timeout", "NCCL WARN",
+    "Traceback \\(most recent call last\\)", "ActorDiedError", "Error executing job",
+]
+_ISO = re.compile(rb"(\d{4})-(\d{2})-(\d{2})[ T](\d{2}):(\d{2}):(\d{2})")
+_PID = re.compile(rb"pid=(\d+)")
+_HOST = re.compile(rb"\b(node|gpu|host)-?(\d+)\b")
+
+
+def text_sources(corpus: Path) -> list[Path]:
+    out = []
+    for p in sorted(corpus.rglob("*")):
+        if p.is_file() and p.name != "label.json" and (p.suffix in TEXT_SUFFIXES or p.name.endswith(".out")) and p.stat().st_size:
+            out.append(p)
+    return out
+
+
+def vary(data: bytes, k: int) -> bytes:
+    def shift(m: re.Match) -> bytes:
+        try:
+            t = datetime(*map(int, m.groups())) + timedelta(minutes=7 * k)
+        except ValueError:
+            return m.group(0)
+        sep = m.group(0)[10:11]
+        return t.strftime(f"%Y-%m-%d{sep.decode()}%H:%M:%S").encode()
+
+    data = _ISO.sub(shift, data)
+    data = _PID.sub(lambda m: b"pid=" + str(int(m.group(1)) + 100 * k).encode(), data)
+    return _HOST.sub(lambda m: m.group(1) + b"-" + str(int(m.group(2)) + k).encode(), data)
+
+
+def build(folder: Path, corpus: Path, size_mb: int) -> int:
+    sources = [(p, p.read_bytes()) for p in text_sources(corpus)]
+    if not sources:
+        raise SystemExit(f"no text files under {corpus}")
+    total, k = 0, 0
+    target = size_mb * 1024 * 1024
+    while total < target:
+        replica = folder / f"run{k:04d}"
+        for src, data in sources:
+            rel = src.relative_to(corpus)
+            out = replica / rel
+            out.parent.mkdir(parents=True, exist_ok=True)
+            body = vary(data, k)
+            out.write_bytes(body)
+            total += len(body)
+            if total >= target:
+                break
+        k += 1
+    return total
+
+
+def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Wall time and peak RSS (sum over the process tree, sampled every 50 ms)."""
+    t0 = time.perf_counter()
+    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak = 0
+    while proc.poll() is None:
+        try:
+            procs = [proc] + proc.children(recursive=True)
+            rss = sum(p.memory_info().rss for p in procs if p.is_running())
+            peak = max(peak, rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.05)
+    wall = time.perf_counter() - t0
+    out, err = proc.communicate()
+    return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--size-mb", type=int, default=1024)
+    ap.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "corpus")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    data_root = REPO / "bench" / "data"
+    data_root.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="text-", dir=data_root))
+    db = folder.with_suffix(".duckdb")
+    try:
+        t0 = time.perf_counter()
+        nbytes = build(folder, args.corpus, args.size_mb)
+        nfiles = sum(1 for _ in folder.rglob("*") if _.is_file())
+        print(f"built {nbytes / 1e6:.0f} MB in {nfiles} files in {time.perf_counter() - t0:.1f} s ({folder})")
+        cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--quiet"]
+        if args.workers:
+            cmd += ["--workers", str(args.workers)]
+        wall, peak, proc = run_measured(cmd)
+        if proc.returncode != 0:
+            print(proc.stderr.decode()[-3000:])
+            raise SystemExit("ingest failed")
+        import duckdb
+
+        con = duckdb.connect(str(db), read_only=True)
+        lines_db, files_lines = con.execute("SELECT (SELECT count(*) FROM lines), (SELECT sum(lines) FROM files WHERE kind='text')").fetchone()
+        con.close()
+        physical = sum(_count_lines(p) for p in folder.rglob("*") if p.is_file())
+        print(f"forensics ingest: {wall:.2f} s, {nbytes / 1e6 / wall:.1f} MB/s, peak RSS {peak / 2**20:.0f} MiB (process tree), "
+              f"{lines_db:,} rows in lines; files.lines {files_lines:,}; physical lines {physical:,} "
+              f"({'accounting OK' if lines_db == files_lines == physical else 'ACCOUNTING MISMATCH'})")
+        grep = ["grep", "-rcE", "|".join(GREP_PATTERNS), str(folder)]
+        t0 = time.perf_counter()
+        subprocess.run(grep, stdout=subprocess.DEVNULL, check=False)
+        g = time.perf_counter() - t0
+        print(f"grep -rcE floor: {g:.2f} s, {nbytes / 1e6 / g:.1f} MB/s; forensics/grep time ratio {wall / g:.1f}x")
+        print(f"database size {db.stat().st_size / 1e6:.0f} MB")
+    finally:
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+            for p in (db, Path(str(db) + ".wal")):
+                if p.exists():
+                    p.unlink()
+
+
+def _count_lines(p: Path) -> int:
+    n, last = 0, b"\n"
+    with open(p, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (0 if last == b"\n" else 1)
+
+
+if __name__ == "__main__":
+    main()
