@@ -8,6 +8,7 @@ from typing import Any, Callable
 import polars as pl
 
 from . import pipeline
+from . import phases as phases_mod
 from .store import Store
 
 
@@ -21,6 +22,7 @@ class Run:
         self.store = Store(self.db, read_only=not write)
         self.con = self.store.con
         self.last_ingest: pipeline.IngestSummary | None = None
+        phases_mod.attach(self.con)  # phase rules (signatures/phases.yaml) for the phase views
 
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas)."""
@@ -31,6 +33,31 @@ class Run:
 
     def tables(self) -> list[str]:
         return [r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
+
+    def phases(self) -> pl.DataFrame:
+        """Seconds per (rank, step, phase, sub_phase) with their source (view ``phases``)."""
+        return phases_mod.phases(self.con)
+
+    def phase_steps(self) -> pl.DataFrame:
+        """One row per (rank, step): rollout/reward/train/sync/other/idle seconds, step time,
+        GPU busy/idle and collective waits where traces exist (view ``phase_steps``)."""
+        return phases_mod.phase_steps(self.con)
+
+    def timeline(self) -> pl.DataFrame:
+        """Every phase span with wall-clock bounds in µs since the epoch (view ``phase_timeline``)."""
+        return phases_mod.timeline(self.con)
+
+    def findings(self) -> list[dict]:
+        """Performance findings: stragglers, slow weight sync, rollout long tail, step time jumps."""
+        from . import findings as findings_mod
+
+        return findings_mod.findings(self.con)
+
+    def report(self, path: str | os.PathLike = "report.html", title: str | None = None):
+        """Write the self-contained post-mortem HTML to ``path``; returns a ``report.ReportResult``."""
+        from . import report as report_mod
+
+        return report_mod.write_report_con(self.con, path, title or f"forensics post-mortem: {os.path.basename(self.db)}")
 
     def close(self) -> None:
         self.store.close()

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import List, Optional
 
+import duckdb
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -170,6 +171,32 @@ def query(
             t.add_row(*["" if v is None else str(v) for v in row])
         out.print(t)
         out.print(f"({df.height} row{'s' if df.height != 1 else ''})", highlight=False)
+
+
+@app.command()
+def report(
+    db: str = DB_OPTION,
+    output: str = typer.Option("report.html", "--output", "-o", metavar="FILE.html", help="Where to write the report."),
+    title: Optional[str] = typer.Option(None, "--title", help="Page title (default: the database name)."),
+) -> None:
+    """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
+    timeline, phases per step, training metrics, file inventory. Works offline."""
+    from . import report as report_mod
+
+    try:
+        result = report_mod.write_report(db, output, title)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+        return
+    except duckdb.IOException as exc:  # locked or unreadable database
+        _fail(f"cannot read {db}: {exc}")
+        return
+    except OSError as exc:  # cannot write the output
+        _fail(f"cannot write {output}: {exc}")
+        return
+    for note in result.notes:
+        err.print(f"[yellow]![/yellow] {note}", markup=True, highlight=False)
+    out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
 
 
 def main() -> None:

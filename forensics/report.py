@@ -578,12 +578,17 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
     """Write the report of database ``db`` to ``out`` (opened read-only)."""
     if not os.path.exists(db):
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
-    t0 = time.perf_counter()
     con = duckdb.connect(str(db), read_only=True)
     try:
-        page, result = build(con, title or f"forensics post-mortem: {Path(db).name}")
+        return write_report_con(con, out, title or f"forensics post-mortem: {Path(db).name}")
     finally:
         con.close()
+
+
+def write_report_con(con: duckdb.DuckDBPyConnection, out: str | os.PathLike, title: str) -> ReportResult:
+    """Write the report of the open database ``con`` to ``out``."""
+    t0 = time.perf_counter()
+    page, result = build(con, title)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(out.suffix + ".tmp")
