@@ -281,4 +281,25 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
                 if line is not None:
                     a.also.append((s.path, line))
     alarms.sort(key=lambda a: (a.step, SOURCE_PREFERENCE.get(a.source or "", 9), a.path))
+    # one alarm per detector: its earliest step, from the preferred kind of file
+    first: dict[tuple[str, str], Alarm] = {}
+    for a in alarms:
+        first.setdefault((a.cls, a.detector), a)
+    alarms = list(first.values())
+    _step_times(con, alarms)
     return alarms
+
+
+def _step_times(con, alarms: list[Alarm]) -> None:
+    """Give alarms without a time the time of a console line of the same step, if any, so
+    they can be ordered against log evidence."""
+    need = sorted({a.step for a in alarms if a.ts is None})
+    if not need:
+        return
+    rows = con.execute(
+        f"""SELECT m.step, min(l.ts) FROM metrics m JOIN lines l ON l.file_id = m.file_id AND l.line_no = m.line_no
+            WHERE m.step IN ({", ".join(str(int(s)) for s in need)}) AND l.ts IS NOT NULL GROUP BY m.step""").fetchall()
+    when = dict(rows)
+    for a in alarms:
+        if a.ts is None:
+            a.ts = when.get(a.step)

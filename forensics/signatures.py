@@ -15,6 +15,11 @@ touching code. Every YAML file may hold any of these top-level sections:
     Which traceback frames / Ray task method names imply which phase of a step.
 ``metric_detectors``
     Thresholds of the metric-trend detectors (:mod:`forensics.detectors`).
+``rank_zero_prints``
+    Lines verl prints only on rank 0 (``if self.rank == 0: print(...)``): the process that
+    prints one is rank 0, which helps to place failures of processes that print no rank.
+``rank_actors``
+    Ray actor classes whose processes are training ranks (their pids rise with the rank).
 
 The folder is shared with other analyses: ``phases.yaml`` (phase attribution,
 :mod:`forensics.phases`) and ``findings.yaml`` (performance findings) have schemas of their
@@ -60,7 +65,7 @@ RULE_KEYS = {
 WHERE_KEYS = {"header", "format", "level", "path", "actor", "in_traceback"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
 REMEDY_KEYS = {"key", "to", "scale", "min", "max", "why", "text", "when"}
-SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors"}
+SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors"}
 NOT_SIGNATURE_FILES = {"phases.yaml", "findings.yaml"}  # other analyses' files in the same folder
 
 # Lines of Python source shown inside a traceback (``raise ValueError("...")``) repeat the
@@ -155,10 +160,12 @@ class ClassInfo:
 class Catalogue:
     rules: list[Rule]
     classes: dict[str, ClassInfo]
-    phase_markers: list[tuple[str, str]]  # (phase, regex), in priority order
+    phase_markers: list[tuple[str, str, bool]]  # (phase, regex, override), in priority order
     metric_detectors: dict[str, Any]
     sources: list[str]
     skipped: list[str] = field(default_factory=list)  # YAML files that are not part of the catalogue
+    rank_zero_prints: list[str] = field(default_factory=list)
+    rank_actors: list[str] = field(default_factory=list)
 
     def rule(self, rule_id: str) -> Rule:
         for r in self.rules:
@@ -198,6 +205,8 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
     classes: dict[str, dict] = {}
     markers: list[tuple[str, str]] = []
     detectors: dict[str, Any] = {}
+    rank_zero: list[str] = []
+    rank_actors: list[str] = []
     sources: list[str] = []
     skipped: list[str] = []
     for d in dirs:
@@ -225,11 +234,18 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
                     raise SignatureError(f"{f}: class {cid}: expected a mapping")
                 classes.setdefault(cid, {}).update(info)
             for item in doc.get("phase_markers") or []:
-                if not isinstance(item, dict) or item.get("phase") not in PHASES or not item.get("patterns"):
-                    raise SignatureError(f"{f}: a phase marker is {{phase: one of {PHASES}, patterns: [...]}}")
+                if not isinstance(item, dict) or item.get("phase") not in PHASES or not item.get("patterns") \
+                        or set(item) - {"phase", "patterns", "override"}:
+                    raise SignatureError(f"{f}: a phase marker is {{phase: one of {PHASES}, patterns: [...], override: bool}}")
                 for pat in item["patterns"]:
                     _compile(pat, f"{f}: phase marker {item['phase']}")
-                    markers.append((item["phase"], pat))
+                    markers.append((item["phase"], pat, bool(item.get("override", False))))
+            for pat in doc.get("rank_zero_prints") or []:
+                _compile(pat, f"{f}: rank_zero_prints")
+                rank_zero.append(pat)
+            for pat in doc.get("rank_actors") or []:
+                _compile(pat, f"{f}: rank_actors")
+                rank_actors.append(pat)
             for name, conf in (doc.get("metric_detectors") or {}).items():
                 if isinstance(conf, dict) and isinstance(detectors.get(name), dict):
                     detectors[name] = {**detectors[name], **conf}
@@ -243,7 +259,8 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
             if other not in ids:
                 raise SignatureError(f"{r.source}: rule {r.id}: refers to unknown rule {other!r}")
     return Catalogue(rules=rules, classes=class_infos, phase_markers=markers, metric_detectors=detectors,
-                     sources=sources, skipped=skipped)
+                     sources=sources, skipped=skipped, rank_zero_prints=rank_zero,
+                     rank_actors=rank_actors)
 
 
 def _foreign_rules(doc: dict) -> bool:
@@ -439,7 +456,7 @@ def check_with_duckdb(cat: Catalogue, con=None) -> None:
                     con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
                 except duckdb.Error as exc:
                     raise SignatureError(f"{r.source}: rule {r.id}: RE2 rejects {p!r}: {exc}") from None
-        for phase, p in cat.phase_markers:
+        for phase, p, _ in cat.phase_markers:
             try:
                 con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
             except duckdb.Error as exc:

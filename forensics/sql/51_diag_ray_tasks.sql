@@ -1,5 +1,8 @@
 -- `ray_task_errors`: the headers of Ray task failures as the driver prints them,
--- `ray.exceptions.RayTaskError(<Exc>): ray::<Class>.<method>() (pid=<p>, ip=<ip>, ...)`.
+-- `ray.exceptions.RayTaskError(<Exc>): ray::<Class>.<method>() (pid=<p>, ip=<ip>, ...)`, and
+-- `Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::<Class>.<method>() (pid=...)`
+-- (an error of a task nobody waited for; `exception` is null there). The traceback printed
+-- under such a header is the worker's (`pid`), whatever process prefix the lines carry.
 -- `exception` is the original exception class (`OutOfMemoryError`, `ActorDiedError`, ...),
 -- `method` the task that failed (`actor_rollout_update_actor`, `generate_sequences`, `run`),
 -- which tells the phase of the step; `pid` / `ip` identify the worker process.
@@ -22,7 +25,7 @@ SELECT
     TRY_CAST(nullif(regexp_extract(message, 'ray::\S+ \(pid=(\d+)', 1), '') AS BIGINT) AS pid,
     nullif(regexp_extract(message, 'ray::\S+ \(pid=\d+, ip=([^,)\s]+)', 1), '') AS ip
 FROM lines
-WHERE contains(message, 'RayTaskError') AND contains(message, 'ray::');
+WHERE contains(message, 'ray::') AND regexp_matches(message, 'ray::\S+ \(pid=\d+');
 
 CREATE OR REPLACE VIEW actor_deaths AS
 WITH fields AS (
