@@ -1,0 +1,798 @@
+"""PyTorch profiler (Kineto) Chrome traces: ``*.pt.trace.json`` / ``.json.gz``.
+
+Kineto's ``ChromeTraceLogger`` writes one JSON object::
+
+    {"schemaVersion": 1, "deviceProperties": [...], "distributedInfo": {"rank": 0, ...},
+     "baseTimeNanoseconds": 1790857026000000000, ...,
+     "traceEvents": [ {"ph": "X", "cat": "kernel", "name": ..., "pid": 0, "tid": 7,
+                       "ts": 5141866816411.18, "dur": 1159.5, "args": {...}}, ... ],
+     "traceName": "..."}
+
+Event ``ts`` is in microseconds; since 2023 Kineto writes it relative to
+``baseTimeNanoseconds`` (older traces: since the epoch). ``pid``/``tid`` are the OS
+process/thread for CPU events, the device/stream for GPU events, and strings
+(``"Spans"``, ``"Traces"``) for Kineto's own markers. NCCL kernels and
+``record_param_comms`` operators carry the collective in their ``args``
+(``"Collective name"``, ``"In msg nelems"``, ...).
+
+Traces reach several GB, so a file is never loaded whole. :class:`ArrayStream` cuts
+the event array into batches of complete events (a few MB of text each). A batch is
+decoded by polars' JSON decoder in bulk (:func:`frame_from_text`); a batch that does
+not fit that mould (a field of an unexpected type, an element that is not an object,
+``NaN``, a cut that fell inside a string) is decoded element by element with orjson
+instead (:func:`frame_from_values`), keeping what converts and counting the rest.
+Memory is bounded by the batch size. A trace cut off mid-write yields every complete
+event before the cut.
+
+:mod:`parsers.ray_timeline` reuses the splitter and the row builder for Ray timelines.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import re
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import BinaryIO, Callable, Iterator
+
+import numpy as np
+import orjson
+import polars as pl
+import pyarrow as pa
+
+from .base import FILE_ID, FileContext, LINE_NO, ParseOutput, Table, col
+
+TRACE_EVENTS = Table(
+    "trace_events",
+    "One row per event of a PyTorch profiler (Kineto) trace or a Ray timeline, in file "
+    "order: CPU operators, user annotations (`ProfilerStep#N`, verl's `gen`, `reward`, "
+    "`update_actor`, ...), CUDA runtime calls, GPU kernels, memcpy/memset, flows, "
+    "metadata, Ray task spans. The number of rows of a file equals the length of its "
+    "event array (see `trace_meta.event_count`).",
+    (
+        FILE_ID,
+        LINE_NO,
+        col("source", pa.string(), "`kineto` (PyTorch profiler) or `ray` (Ray timeline)."),
+        col("seq", pa.int64(), "0-based index of the event in the file's event array."),
+        col("rank", pa.int32(), "Global rank of the traced process: `distributedInfo.rank`, else the file name (`rank1.*`, `prof_rank-1.json.gz`), else the path; null for Ray timelines."),
+        col("pid", pa.string(), "`pid` as written: OS process id for CPU events, device index for GPU events, Ray node IP, or Kineto's labels (`Spans`, `Traces`)."),
+        col("tid", pa.string(), "`tid` as written: OS thread id, CUDA stream for GPU events, Ray `worker:<id>` / `driver:<id>`."),
+        col("ph", pa.string(), "Chrome trace phase: `X` complete span, `i` instant, `s`/`f` flow start/end, `M` metadata, `B`/`E`, `C` counter, ..."),
+        col("category", pa.string(), "The event's `cat` (`cpu_op`, `user_annotation`, `gpu_user_annotation`, `kernel`, `gpu_memcpy`, `gpu_memset`, `cuda_runtime`, `cuda_driver`, `ac2g`, `fwdbwd`, `python_function`, `overhead`, Ray `task::Class.method`, `task:execute`, `submit_task`, ...); `metadata` for `ph = 'M'` events; `uncategorized` for other events without a `cat`; `invalid` for an array element that is not a JSON object."),
+        col("name", pa.string(), "Event name: operator, kernel, annotation (`ProfilerStep#3`, `update_actor`), Ray task name."),
+        col("ts_us", pa.float64(), "`ts` as in the file, microseconds (Kineto: since `baseTimeNanoseconds`, or since the epoch in old traces; Ray: since the epoch)."),
+        col("dur_us", pa.float64(), "`dur` in microseconds (`X` events)."),
+        col("ts", pa.timestamp("us"), "Wall clock of the event start, UTC-naive: `baseTimeNanoseconds` + `ts` for Kineto traces that have it, `ts` itself when it is epoch microseconds (Ray, old Kineto); null otherwise."),
+        col("device", pa.int32(), "GPU index for device events: `args.device`, else `pid` of GPU categories."),
+        col("stream", pa.int64(), "CUDA stream for device events: `args.stream`, else `tid` of GPU categories."),
+        col("correlation", pa.int64(), "CUDA correlation id linking a runtime/driver launch to its kernel/memcpy (`args.correlation`; for `ac2g` flow events their `id`)."),
+        col("external_id", pa.int64(), "`args[\"External id\"]`: links a CPU operator to the launches and kernels it caused."),
+        col("args", pa.string(), "The event's `args` object as JSON text (null when it has none)."),
+        col("coll_name", pa.string(), "Collective of an NCCL kernel or `record_param_comms` operator (`args[\"Collective name\"]`: `allreduce`, `_allgather_base`, `broadcast`, ...)."),
+        col("coll_in_nelems", pa.int64(), "`args[\"In msg nelems\"]`: elements sent."),
+        col("coll_out_nelems", pa.int64(), "`args[\"Out msg nelems\"]`: elements received."),
+        col("coll_dtype", pa.string(), "`args[\"dtype\"]` of a collective (`Float`, `BFloat16`, ...)."),
+        col("coll_group_size", pa.int32(), "`args[\"Group size\"]`: ranks in the process group."),
+        col("pg_name", pa.string(), "`args[\"Process Group Name\"]` of a collective (`0` is the default group)."),
+        col("pg_desc", pa.string(), "`args[\"Process Group Description\"]` (`default_pg`, a verl/vLLM group name, ...)."),
+        col("flow_id", pa.int64(), "`id` of flow events (`s`/`f`/`t`) and async events."),
+    ),
+)
+
+TRACE_META = Table(
+    "trace_meta",
+    "One row per PyTorch profiler trace or Ray timeline: the top-level keys around the "
+    "event array, how many events it held and whether the file was cut off.",
+    (
+        FILE_ID,
+        col("source", pa.string(), "`kineto` or `ray`."),
+        col("rank", pa.int32(), "Rank of the trace (as in `trace_events.rank`)."),
+        col("world_size", pa.int32(), "`distributedInfo.world_size`."),
+        col("schema_version", pa.int64(), "`schemaVersion`."),
+        col("base_time_ns", pa.int64(), "`baseTimeNanoseconds`: epoch nanoseconds that event `ts` values count from."),
+        col("trace_name", pa.string(), "`traceName`: the path the profiler wrote."),
+        col("device_properties", pa.string(), "`deviceProperties` as JSON text (GPU name, memory, SM count, ...)."),
+        col("distributed_info", pa.string(), "`distributedInfo` as JSON text (backend, rank, world size, process groups, NCCL version)."),
+        col("other", pa.string(), "Every other top-level key as one JSON object (CUDA/CUPTI versions, `displayTimeUnit`, `trace_id`, vLLM version, ...)."),
+        col("event_count", pa.int64(), "Events read (= rows in `trace_events` for this file)."),
+        col("bad_events", pa.int64(), "Events with a missing or mistyped field (kept, with nulls where the value could not be used)."),
+        col("truncated", pa.bool_(), "The file ends before the event array / object is closed; every complete event before the cut was loaded."),
+    ),
+)
+
+BATCH_BYTES = 1 << 20  # JSON text decoded per batch: memory is bounded by this (polars needs ~25x it)
+READ_BYTES = 1 << 20
+MAX_ELEMENT_BYTES = 256 << 20  # an element (or unbalanced text) longer than this stops the read
+MAX_META_BYTES = 64 << 20  # top-level keys around the event array are metadata: cap them
+
+# A separator between two objects of an array: `}` `,` `{` with optional whitespace.
+_SEP = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
+_SEP_TEXT = r"\}([ \t\r\n]*),([ \t\r\n]*)\{"
+_CUT = "\x1e"  # a control character cannot occur raw inside valid JSON text
+# Tokens of the exact scanner: a whole string, a quote that opens an unterminated one, structure.
+_TOK = re.compile(rb'"(?:[^"\\]|\\.)*"|"|[\[\]{},]')
+_EVENTS_KEY = re.compile(rb'"traceEvents"[ \t\r\n]*:[ \t\r\n]*\[')
+_WS = b" \t\r\n"
+_OPEN, _CLOSE = (0x7B, 0x5B), (0x7D, 0x5D)  # { [   } ]
+
+# Device-side categories: pid is the device, tid the stream.
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation", "gpu_memory")
+EPOCH_US_MIN = 1e15  # a ts_us at least this large is epoch microseconds (after 2001-09-09)
+_WALL_US_MAX = 9e15  # ... and below this (year 2255); beyond, no wall clock
+
+# Top-level event keys -> column, and the keys of `args` that get a column of their own.
+_TOP = {"ph": ("ph", pl.String), "cat": ("cat", pl.String), "name": ("name", pl.String),
+        "pid": ("pid", pl.String), "tid": ("tid", pl.String), "ts": ("ts_us", pl.Float64),
+        "dur": ("dur_us", pl.Float64), "id": ("flow_id", pl.Int64)}
+_ARGS = {"External id": ("external_id", pl.Int64), "external id": ("_external_id_old", pl.Int64),
+         "correlation": ("correlation", pl.Int64), "device": ("device", pl.Int32),
+         "stream": ("stream", pl.Int64), "Collective name": ("coll_name", pl.String),
+         "In msg nelems": ("coll_in_nelems", pl.Int64), "Out msg nelems": ("coll_out_nelems", pl.Int64),
+         "dtype": ("coll_dtype", pl.String), "Group size": ("coll_group_size", pl.Int32),
+         "Process Group Name": ("pg_name", pl.String), "Process Group Description": ("pg_desc", pl.String)}
+_TOP_DTYPE = pl.Struct({k: t for k, (_, t) in _TOP.items()})
+_ARGS_DTYPE = pl.Struct({k: t for k, (_, t) in _ARGS.items()})
+# Columns of a decoded batch, before the file-level ones are added.
+_DECODED = {**{c: t for c, t in _TOP.values()}, "args": pl.String, **{c: t for c, t in _ARGS.values()},
+            "line_no": pl.Int64, "_invalid": pl.Boolean}
+
+_RANK_IN_NAME = re.compile(r"(?:^|[^a-z0-9])rank[-_]?(\d+)(?![0-9])", re.I)
+
+
+def rank_from_name(path: str) -> int | None:
+    """Rank printed in a trace's file name: ``rank1.<id>.pt.trace.json.gz``,
+    ``prof_rank-1.json.gz``, ``trace_rank_3.json``."""
+    m = _RANK_IN_NAME.search(path.rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+# -- reading ----------------------------------------------------------------------------
+
+class SafeReader:
+    """Read a (possibly gunzipped) stream, counting lines. Compressed data that ends
+    early or is corrupt counts as the end of the data and is reported as a truncation."""
+
+    def __init__(self, stream: BinaryIO, ctx: FileContext):
+        self.stream, self.ctx = stream, ctx
+        self.newlines = 0
+        self.last = b""
+        self.broken = False
+
+    def read(self, n: int = READ_BYTES) -> bytes:
+        if self.broken:
+            return b""
+        try:
+            block = self.stream.read(n)
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            self.broken = True
+            self.ctx.truncated = True
+            self.ctx.problem(f"compressed data ends early or is corrupt ({exc.__class__.__name__}: {exc}); "
+                             "what was read before that point was loaded", None, "truncated")
+            return b""
+        if block:
+            self.newlines += block.count(b"\n")
+            self.last = block[-1:]
+        return block
+
+    def physical_lines(self) -> int:
+        return self.newlines + (1 if self.last not in (b"", b"\n") else 0)
+
+
+class Invalid:
+    """An array element whose text is not JSON."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: bytes):
+        self.text = text
+
+
+@dataclass
+class ArrayStream:
+    """Cut a JSON array that is being read from ``reader`` into batches of complete
+    elements and hand each batch to a decoder.
+
+    ``buf[pos:]`` is the unread rest of the array body (``pos`` is just after the
+    ``[`` or after a comma between elements); ``line`` is the line of ``buf[0]``.
+
+    The usual way to a batch: take about ``batch_bytes``, cut after the last ``}, {``
+    in it and give the text to ``on_text(text, line)``, which returns its decoded rows
+    or None when the text is not exactly a run of complete, well-formed elements. Then
+    ``orjson`` decodes the run in one call and ``on_values(values, lines)`` converts
+    them; if even that fails (the cut fell inside a string or a nested object, an
+    element is not JSON, the array ends here), an exact token scanner finds the
+    element boundaries and each element is decoded on its own.
+
+    After :meth:`batches` is exhausted: ``closed`` tells whether the closing ``]`` was
+    seen, ``tail`` holds what follows it (up to ``MAX_META_BYTES``), ``cut_line`` is the
+    line where an unclosed array stops and ``problems`` lists (message, line) of
+    damage found on the way.
+    """
+
+    reader: SafeReader
+    buf: bytearray
+    pos: int
+    on_text: Callable[[bytes, int], object | None]
+    on_values: Callable[[list, np.ndarray | None], object]
+    line: int = 1
+    batch_bytes: int = BATCH_BYTES
+    closed: bool = False
+    tail: bytes = b""
+    cut_line: int | None = None
+    eof: bool = False
+    problems: list = field(default_factory=list)
+    _done: bool = False
+
+    # -- buffer --
+    def _fill(self, want: int) -> None:
+        while not self.eof and len(self.buf) - self.pos < want:
+            block = self.reader.read(READ_BYTES)
+            if not block:
+                self.eof = True
+                return
+            self.buf += block
+
+    def _drop_consumed(self) -> None:
+        if self.pos >= READ_BYTES:
+            self.line += self.buf.count(b"\n", 0, self.pos)
+            del self.buf[: self.pos]
+            self.pos = 0
+
+    def _line_at(self, i: int) -> int:
+        return self.line + self.buf.count(b"\n", 0, i)
+
+    def _lines_at(self, offsets: list[int], upto: int) -> np.ndarray:
+        view = np.frombuffer(self.buf, dtype=np.uint8, count=upto)
+        newlines = np.flatnonzero(view == 10)
+        del view  # a live view would stop the bytearray from resizing
+        return self.line + np.searchsorted(newlines, np.asarray(offsets, dtype=np.int64)).astype(np.int64)
+
+    # -- batches --
+    def batches(self) -> Iterator:
+        while not self._done:
+            self._drop_consumed()
+            self._fill(self.batch_bytes)
+            if self._at_array_end():
+                return
+            sep = self._last_separator()
+            if sep is not None:
+                end = sep.start() + 1
+                out = self._decode_run(self.pos, end)
+                if out is not None:
+                    self.pos = self.buf.index(b",", end) + 1
+                    yield out
+                    continue
+            before = self.pos
+            yield from self._scan()
+            if self._done or self.pos != before:
+                continue
+            # nothing complete from pos on
+            if self.eof:
+                self._stop_truncated(self.pos)
+            elif self.batch_bytes >= MAX_ELEMENT_BYTES:
+                self.problems.append((f"an event array element runs past {MAX_ELEMENT_BYTES >> 20} MB "
+                                      "(unbalanced brackets?); reading stopped there", self._line_at(self.pos)))
+                self._stop_truncated(self.pos)
+            else:
+                self.batch_bytes *= 2
+
+    def _at_array_end(self) -> bool:
+        i, n = self.pos, len(self.buf)
+        while i < n and self.buf[i] in _WS:
+            i += 1
+        if i < n and self.buf[i] == 0x5D:
+            self._close(i)
+            return True
+        if i == n and self.eof:
+            self._stop_truncated(i)
+            return True
+        return False
+
+    def _stop_truncated(self, i: int) -> None:
+        self.cut_line = self._line_at(min(i, len(self.buf)))
+        self._done = True
+
+    def _close(self, bracket: int) -> None:
+        self.closed = True
+        self._done = True
+        self.line = self._line_at(bracket)
+        tail = bytearray(self.buf[bracket + 1:])
+        while len(tail) <= MAX_META_BYTES:
+            block = self.reader.read(READ_BYTES)
+            if not block:
+                break
+            tail += block
+        self.tail = bytes(tail)
+        self.buf = bytearray()
+        self.pos = 0
+
+    def _last_separator(self) -> re.Match | None:
+        lo, hi = self.pos, len(self.buf)
+        window = 1 << 16
+        while True:
+            start = max(lo, hi - window)
+            last = None
+            for last in _SEP.finditer(self.buf, start, hi):
+                pass
+            if last is not None or start == lo:
+                return last
+            window *= 8
+
+    def _decode_run(self, start: int, end: int):
+        """Decode ``buf[start:end]``, elements separated by commas; None when it is not
+        exactly a run of complete JSON values."""
+        text = bytes(self.buf[start:end])
+        out = self.on_text(text, self._line_at(start))
+        if out is not None:
+            return out
+        try:
+            values = orjson.loads(b"[" + text + b"]")
+        except orjson.JSONDecodeError:
+            return None
+        # element starts: the first one, then after every `}, {` (exact when the counts agree)
+        i = start
+        while self.buf[i] in _WS:
+            i += 1
+        offsets = [i]
+        offsets.extend(m.end() - 1 for m in _SEP.finditer(self.buf, start, end))
+        lines = self._lines_at(offsets, end) if len(offsets) == len(values) else None
+        return self.on_values(values, lines)
+
+    def _scan(self) -> Iterator:
+        """Find element boundaries token by token (strings skipped whole) from ``pos``
+        and decode each element on its own. Stops after about ``batch_bytes``, at the
+        closing ``]``, or where the buffered data ends inside an element."""
+        buf = self.buf
+        spans: list[tuple[int, int]] = []
+        depth = 0
+        elem = -1  # start of the element being read; -1 between elements
+        gap = self.pos  # where the text of a number / true / false / null may start
+        resume = self.pos
+        closed_at = -1
+        limit = self.pos + self.batch_bytes
+        container_done = False  # the element read so far is a complete object / array
+        for m in _TOK.finditer(buf, self.pos):
+            c = buf[m.start()]
+            if c == 0x22:
+                if m.end() - m.start() == 1:
+                    container_done = False
+                    break  # a string that does not end in the buffer
+                if depth == 0 and elem < 0:
+                    elem = m.start()
+                continue
+            if c in _OPEN:
+                if depth == 0 and elem < 0:
+                    elem = m.start()
+                depth += 1
+                container_done = False
+                continue
+            if depth > 0:
+                if c in _CLOSE:
+                    depth -= 1
+                    container_done = depth == 0
+                continue
+            # depth 0: a comma between elements, the closing `]`, or a stray `}`
+            if elem < 0:
+                gap_text = bytes(buf[gap:m.start()])
+                if gap_text.strip(_WS):
+                    elem = gap + len(gap_text) - len(gap_text.lstrip(_WS))
+                elif c == 0x2C:
+                    self.problems.append(("an empty element (two commas) in the event array", self._line_at(m.start())))
+            if elem >= 0:
+                spans.append((elem, _rstrip(buf, elem, m.start())))
+            elem = -1
+            container_done = False
+            gap = resume = m.end()
+            if c in _CLOSE:
+                if c == 0x7D:
+                    self.problems.append(("a `}` where the event array should continue; read as its end", self._line_at(m.start())))
+                closed_at = m.start()
+                break
+            if m.end() >= limit:
+                break
+        else:
+            # the buffer ends between tokens; at the end of the data a last element
+            # that is a complete object still counts
+            if self.eof and elem >= 0 and depth == 0 and container_done:
+                end = _rstrip(buf, elem, len(buf))
+                spans.append((elem, end))
+                resume = end
+        if spans:
+            values = [_decode_one(bytes(buf[s:e])) for s, e in spans]
+            yield self.on_values(values, self._lines_at([s for s, _ in spans], spans[-1][1]))
+        if closed_at >= 0:
+            self._close(closed_at)
+        else:
+            self.pos = resume
+
+
+def _rstrip(buf: bytearray, start: int, end: int) -> int:
+    while end > start and buf[end - 1] in _WS:
+        end -= 1
+    return end
+
+
+def _decode_one(text: bytes):
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:  # NaN / Infinity literals, integers beyond 64 bits
+        return json.loads(text, parse_constant=_constant)
+    except (ValueError, RecursionError):
+        return Invalid(text)
+
+
+def _constant(name: str) -> float:
+    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[name]
+
+
+# -- the object around the array ----------------------------------------------------------
+
+def read_header(reader: SafeReader, ctx: FileContext) -> tuple[dict, bytearray, int, bool]:
+    """Read up to the ``[`` of the top-level ``"traceEvents"``.
+
+    Returns (the keys before it, the buffer, the offset just after ``[``, found)."""
+    buf = bytearray()
+    searched = 0
+    while True:
+        block = reader.read(READ_BYTES)
+        buf += block
+        for m in _EVENTS_KEY.finditer(buf, max(0, searched - 64)):
+            meta = _object_prefix(bytes(buf[: m.start()]))
+            if meta is not None:
+                return meta, buf, m.end(), True
+        searched = len(buf)
+        if not block or len(buf) > MAX_META_BYTES:
+            if block:
+                ctx.problem(f"no \"traceEvents\" array in the first {MAX_META_BYTES >> 20} MB; not read further", None, "error")
+            return _object_prefix(bytes(buf), partial=True) or {}, buf, len(buf), False
+
+
+def _object_prefix(head: bytes, partial: bool = False) -> dict | None:
+    """The keys of the text ``{ "k": v, ...,`` that precedes a key at the top level of an
+    object; None when that point is not at the top level (inside a string or a nested
+    value). ``partial``: the text is all there is (cut off); return the keys that decode."""
+    body = head.strip(_WS)
+    if not body.startswith(b"{"):
+        return None
+    inner = body[1:].rstrip(_WS)
+    if inner.endswith(b","):
+        inner = inner[:-1]
+    elif inner and not partial:
+        return None  # a key follows only after a comma
+    value = _decode_one(b"{" + inner + b"}")
+    if isinstance(value, dict):
+        return value
+    if partial:  # keep the complete keys before the cut
+        cut = inner.rfind(b",")
+        while cut > 0:
+            value = _decode_one(b"{" + inner[:cut] + b"}")
+            if isinstance(value, dict):
+                return value
+            cut = inner.rfind(b",", 0, cut)
+    return None
+
+
+def parse_trailer(tail: bytes) -> tuple[dict, bool]:
+    """Keys after the event array (``, "traceName": "..." }``) and whether the object is closed."""
+    body = tail.strip(_WS)
+    if body == b"}":
+        return {}, True
+    if body.startswith(b","):
+        value = _decode_one(b"{" + body[1:]) if body.endswith(b"}") else None
+        if isinstance(value, dict):
+            return value, True
+    return {}, False
+
+
+# -- decoding batches -----------------------------------------------------------------------
+
+def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
+    """Decode a run of comma-separated event objects in bulk; None when the run is not
+    exactly that (the caller then decodes it element by element).
+
+    The run is split at ``sep``, the file's usual text between two events (``},\n  {``
+    in Kineto traces, ``}, {`` in Ray timelines); each piece must then decode as one
+    object, which also proves the split right: a separator inside a string or a nested
+    value, or one written differently, leaves a piece that does not decode. ``args`` is
+    kept as written (without line breaks and indentation): the text from the ``"args"``
+    key to the end of the event. That is right only when ``args`` is the event's last
+    key, which decoding that text as one object checks.
+    """
+    try:
+        body = text.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    seps = sep.decode()
+    pieces = body.replace(seps, seps[0] + _CUT + seps[-1]).split(_CUT)
+    lead = body[: len(body) - len(body.lstrip())].count("\n")
+    raw = pl.Series("raw", pieces, dtype=pl.String)
+    del pieces, body
+    rest = (pl.col("raw").str.slice(pl.col("raw").str.find('"args"', literal=True))
+            .str.strip_chars_end().str.head(-1).str.strip_chars_end()
+            .str.replace(r'^"args"[ \t\r\n]*:[ \t\r\n]*', ""))
+    try:
+        df = pl.DataFrame([raw]).select(
+            pl.col("raw").str.json_decode(_TOP_DTYPE).alias("top"),
+            pl.col("raw").str.count_matches('"args"', literal=True).alias("n_args"),
+            rest.str.replace_all(r"[ \t\r]*\n[ \t\r\n]*", "").alias("args"),
+            pl.col("raw").str.count_matches("\n", literal=True).alias("nl"),
+        )
+        if (df.get_column("n_args") > 1).any():
+            return None  # a nested "args" key: leave it to the element-by-element path
+        args = pl.when(pl.col("n_args") == 1).then(pl.col("args"))
+        args = pl.when(args != "null").then(args)
+        df = df.with_columns(args.alias("args")).with_columns(pl.col("args").str.json_decode(_ARGS_DTYPE).alias("a"))
+    except (pl.exceptions.ComputeError, pl.exceptions.ShapeError):
+        # not JSON, or a piece holding several values (polars decodes the column as one
+        # comma-joined array, so `{...}, {...}` in one piece shows up as extra rows)
+        return None
+    if df.height != raw.len():
+        return None
+    # a piece starts on the line after the newlines of the pieces and separators before it
+    i = pl.int_range(pl.len(), dtype=pl.Int64)
+    start_line = pl.col("nl").cum_sum() - pl.col("nl") + i * sep.count(b"\n") + pl.when(i == 0).then(lead).otherwise(0) + line
+    return df.select(
+        *[pl.col("top").struct.field(k).alias(c) for k, (c, _) in _TOP.items()],
+        "args",
+        *[pl.col("a").struct.field(k).alias(c) for k, (c, _) in _ARGS.items()],
+        start_line.cast(pl.Int64).alias("line_no"),
+        pl.col("top").is_null().alias("_invalid"),  # an element `null`
+    )
+
+
+@dataclass
+class Tally:
+    """Events with fields that could not be used, across the batches of a file."""
+
+    events: int = 0
+    fields: dict = field(default_factory=dict)
+    examples: list = field(default_factory=list)
+
+    def note(self, seq: int, what: list[str]) -> None:
+        self.events += 1
+        for w in what:
+            self.fields[w] = self.fields.get(w, 0) + 1
+        if len(self.examples) < 3:
+            self.examples.append((seq, ", ".join(what)))
+
+
+def frame_from_values(values: list, lines: np.ndarray | None, tally: Tally, first_seq: int) -> pl.DataFrame:
+    """Decoded elements to columns one by one: what converts is kept, the rest is
+    null and counted in ``tally``. A value that is not an object becomes an ``invalid``
+    row (its JSON in ``args``)."""
+    n = len(values)
+    data: dict[str, list] = {c: [None] * n for c in _DECODED if c not in ("line_no", "_invalid")}
+    invalid = [False] * n
+    for i, e in enumerate(values):
+        bad: list[str] = []
+        if not isinstance(e, dict):
+            invalid[i] = True
+            bad.append("not a JSON object")
+            if not isinstance(e, Invalid):
+                data["args"][i] = _json_text(e)
+        else:
+            for key, (column, type_) in _TOP.items():
+                v = e.get(key)
+                if v is not None:
+                    data[column][i] = _convert(v, type_, key, bad, lenient_text=key in ("pid", "tid"))
+            a = e.get("args")
+            if a is not None:
+                data["args"][i] = _json_text(a)
+                if isinstance(a, dict):
+                    for key, (column, type_) in _ARGS.items():
+                        v = a.get(key)
+                        if v is not None:
+                            data[column][i] = _convert(v, type_, f"args.{key}", bad)
+                else:
+                    bad.append("args not an object")
+        if bad:
+            tally.note(first_seq + i, bad)
+    df = pl.DataFrame({c: pl.Series(c, v, dtype=_DECODED[c]) for c, v in data.items()})
+    return df.with_columns(
+        pl.Series("line_no", lines if lines is not None else [None] * n, dtype=pl.Int64),
+        pl.Series("_invalid", invalid, dtype=pl.Boolean),
+    )
+
+
+def _convert(v, type_, what: str, bad: list, lenient_text: bool = False):
+    """``v`` as a value of polars type ``type_``; None, with ``what`` noted in ``bad``,
+    when it is not one. ``lenient_text``: numbers are fine as text (pid, tid)."""
+    if type_ == pl.String:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            if not lenient_text:
+                bad.append(what)
+            return str(v)
+    elif isinstance(v, bool):
+        pass
+    elif type_ == pl.Float64:
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, str):
+            bad.append(what)
+            try:
+                return float(v)
+            except ValueError:
+                return None
+    else:  # integers
+        bits = 31 if type_ == pl.Int32 else 63
+        number = None
+        if isinstance(v, int):
+            number = v
+        elif isinstance(v, float) and v.is_integer():
+            number = int(v)
+        elif isinstance(v, str):
+            try:
+                number = int(v.strip(), 0)
+            except ValueError:
+                number = None
+        if number is not None and -(1 << bits) <= number < (1 << bits):
+            if not isinstance(v, int):
+                bad.append(what)
+            return number
+    bad.append(what)
+    return None
+
+
+def _json_text(v) -> str:
+    try:
+        return orjson.dumps(v).decode()
+    except TypeError:  # integers beyond 64 bits (decoded by the stdlib fallback)
+        return json.dumps(v)
+
+
+# -- rows ------------------------------------------------------------------------------------
+
+@dataclass
+class FileState:
+    """What the row builder needs about the file, and counts across batches."""
+
+    file_id: int
+    source: str
+    rank: int | None
+    base_us: float | None  # added to ts_us for the wall clock; None: epoch µs or nothing
+    seq: int = 0
+    tally: Tally = field(default_factory=Tally)
+
+
+def wall_clock(ts_us: pl.Expr, base_us: float | None) -> pl.Expr:
+    """``base_us + ts_us`` as a timestamp; without a base, ``ts_us`` itself when it is
+    epoch microseconds. Null where there is no plausible wall clock."""
+    wall = ts_us + base_us if base_us is not None else ts_us
+    lo = 0.0 if base_us is not None else EPOCH_US_MIN
+    return (pl.when((wall >= lo) & (wall < _WALL_US_MAX)).then(wall.floor()).otherwise(None)
+            .cast(pl.Int64).cast(pl.Datetime("us")))
+
+
+def finish(df: pl.DataFrame, st: FileState) -> pl.DataFrame:
+    """Add the file-level columns and the derived ones; ``trace_events`` column order."""
+    n = df.height
+    cat = pl.col("cat")
+    category = (pl.when(pl.col("_invalid")).then(pl.lit("invalid"))
+                .when(pl.col("ph") == "M").then(pl.lit("metadata"))
+                .when(cat.is_null()).then(pl.lit("uncategorized"))
+                .otherwise(cat))
+    gpu = pl.col("category").is_in(GPU_CATEGORIES)
+    out = df.with_columns(
+        category.alias("category"),
+        pl.coalesce("external_id", "_external_id_old").alias("external_id"),
+    ).with_columns(
+        pl.lit(st.file_id, pl.Int32).alias("file_id"),
+        pl.lit(st.source, pl.String).alias("source"),
+        pl.int_range(st.seq, st.seq + n, dtype=pl.Int64).alias("seq"),
+        pl.lit(st.rank, pl.Int32).alias("rank"),
+        wall_clock(pl.col("ts_us"), st.base_us).alias("ts"),
+        pl.coalesce("device", pl.when(gpu).then(pl.col("pid").cast(pl.Int32, strict=False))).alias("device"),
+        pl.coalesce("stream", pl.when(gpu).then(pl.col("tid").cast(pl.Int64, strict=False))).alias("stream"),
+        pl.coalesce("correlation", pl.when(pl.col("category") == "ac2g").then(pl.col("flow_id"))).alias("correlation"),
+    )
+    st.seq += n
+    return out.select([c.name for c in TRACE_EVENTS.columns])
+
+
+def decoders(st: FileState) -> tuple[Callable, Callable]:
+    """The (on_text, on_values) pair of :class:`ArrayStream` that yields finished rows."""
+    seps: list[bytes] = []
+
+    def on_text(text: bytes, line: int) -> pl.DataFrame | None:
+        if not seps:  # the file's usual separator, from its first batch
+            counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
+            seps.append(counts.most_common(1)[0][0] if counts else b"},{")
+        df = frame_from_text(text, line, seps[0])
+        return None if df is None else finish(df, st)
+
+    def on_values(values: list, lines: np.ndarray | None) -> pl.DataFrame:
+        return finish(frame_from_values(values, lines, st.tally, st.seq), st)
+
+    return on_text, on_values
+
+
+def report_events(st: FileState, arr: ArrayStream | None, ctx: FileContext) -> None:
+    if arr is not None:
+        for message, line in arr.problems:
+            ctx.problem(message, line, "error")
+    t = st.tally
+    if t.events:
+        fields = ", ".join(f"{k}: {v}" for k, v in sorted(t.fields.items(), key=lambda kv: -kv[1]))
+        first = "; ".join(f"event #{seq} ({why})" for seq, why in t.examples)
+        ctx.problem(f"{t.events} event(s) with a missing-typed or unusable field, kept with nulls there "
+                    f"[{fields}]; first: {first}", None, "warning")
+
+
+# -- the parser --------------------------------------------------------------------------------
+
+def parse_trace(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYTES) -> ParseOutput:
+    """A Kineto trace: ``trace_events`` rows in batches, then one ``trace_meta`` row."""
+    reader = SafeReader(stream, ctx)
+    head, buf, pos, found = read_header(reader, ctx)
+    info = head.get("distributedInfo")
+    rank = _int_field(info, "rank")
+    if rank is None:
+        rank = rank_from_name(ctx.path)
+    if rank is None:
+        rank = ctx.rank
+    base_ns = _int_field(head, "baseTimeNanoseconds")
+    st = FileState(ctx.file_id, "kineto", rank, base_ns / 1000 if base_ns is not None else None)
+    trailer: dict = {}
+    arr = None
+    if not found:
+        ctx.truncated = True
+        ctx.problem("no \"traceEvents\" array: the file ends before it", None, "truncated")
+    else:
+        on_text, on_values = decoders(st)
+        arr = ArrayStream(reader, buf, pos, on_text, on_values, batch_bytes=batch_bytes)
+        for frame in arr.batches():
+            yield "trace_events", frame
+        if not arr.closed:
+            ctx.truncated = True
+            ctx.problem(f"trace cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
+                        arr.cut_line, "truncated")
+        else:
+            trailer, closed = parse_trailer(arr.tail)
+            if not closed:
+                ctx.truncated = True
+                ctx.problem("the trace ends after the event array without a complete top-level object; all events were loaded",
+                            arr.line, "truncated")
+            for late in ("baseTimeNanoseconds", "distributedInfo"):
+                if late in trailer and late not in head:
+                    ctx.problem(f"\"{late}\" comes after the events: their rank / wall clock do not use it", None, "warning")
+    while reader.read(READ_BYTES):  # count the lines of what is left
+        pass
+    ctx.lines = reader.physical_lines()
+    report_events(st, arr, ctx)
+    yield "trace_meta", meta_row(ctx, st, {**head, **trailer})
+
+
+def _int_field(obj, key: str) -> int | None:
+    if not isinstance(obj, dict) or obj.get(key) is None:
+        return None
+    return _convert(obj[key], pl.Int64, key, [])
+
+
+def meta_row(ctx: FileContext, st: FileState, meta: dict) -> pa.Table:
+    known = {"schemaVersion", "baseTimeNanoseconds", "traceName", "deviceProperties", "distributedInfo", "traceEvents"}
+    other = {k: v for k, v in meta.items() if k not in known}
+    info = meta.get("distributedInfo")
+    name = meta.get("traceName")
+    world = _convert(info["world_size"], pl.Int32, "world_size", []) if isinstance(info, dict) and info.get("world_size") is not None else None
+    row = {
+        "file_id": ctx.file_id,
+        "source": st.source,
+        "rank": st.rank,
+        "world_size": world,
+        "schema_version": _int_field(meta, "schemaVersion"),
+        "base_time_ns": _int_field(meta, "baseTimeNanoseconds"),
+        "trace_name": name if isinstance(name, str) or name is None else _json_text(name),
+        "device_properties": None if meta.get("deviceProperties") is None else _json_text(meta["deviceProperties"]),
+        "distributed_info": None if info is None else _json_text(info),
+        "other": _json_text(other) if other else None,
+        "event_count": st.seq,
+        "bad_events": st.tally.events,
+        "truncated": bool(ctx.truncated),
+    }
+    return pa.Table.from_pylist([row], schema=TRACE_META.arrow_schema)
