@@ -139,8 +139,9 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
     for (step,), grp in per_rank.group_by(["step"]):
         if grp.height < 2:
             continue
-        med = statistics.median(grp["rollout_s"].to_list())
-        top = grp.sort("rollout_s", descending=True).row(0, named=True)
+        ordered = grp.sort("rollout_s", descending=True)
+        top = ordered.row(0, named=True)
+        med = statistics.median(ordered["rollout_s"].to_list()[1:])  # the other ranks
         if med > 0:
             ratios.append((top["rollout_s"] / med, step, top["rank"]))
             slowest.append(top["rank"])
@@ -151,7 +152,7 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
             out.append({
                 "id": "rollout_long_tail", "rank": rank, "phase": "rollout",
                 "detail": (f"rollout is unbalanced across ranks: in the median step the slowest rank's generation takes "
-                           f"{med_ratio:.1f}x the median rank's; rank {rank} is the slowest in "
+                           f"{med_ratio:.1f}x the other ranks' median; rank {rank} is the slowest in "
                            f"{slowest.count(rank)} of {len(slowest)} steps and the others wait for it"),
                 "steps": sorted(r[1] for r in ratios if r[0] >= cfg["rank_ratio"]), "value": round(med_ratio, 3),
                 "source": ", ".join(sorted(set(per_rank["source"].to_list()))), "evidence": [],

@@ -1,5 +1,5 @@
 -- Phase attribution, GPU side of PyTorch profiler traces: `phase_gpu_events`, `phase_gpu`,
--- `phase_gpu_steps`, `phase_collectives`.
+-- `phase_gpu_steps`, `phase_collective_matches`, `phase_collectives`.
 --
 -- * `phase_gpu_events`: GPU activity (kernels, memcpy, memset) with `is_nccl` (a NCCL
 --   collective kernel) and `seconds`.
@@ -17,7 +17,8 @@
 --   late runs a short kernel and the others wait: `wait_s` = this rank's kernel time minus the
 --   shortest (time spent waiting for the last rank), `late_s` = the longest minus this rank's
 --   (how much later than the first rank it arrived; independent of clock offsets between
---   hosts), `start_late_s` = the same from kernel start stamps.
+--   hosts), `start_late_s` = the same from kernel start stamps. `phase_collective_matches` is the
+--   same without the phase (and with `file_id`).
 --
 -- ```sql
 -- SELECT rank, step, round(sum(late_s), 3) AS late_s, round(sum(wait_s), 3) AS wait_s
@@ -68,7 +69,7 @@ LEFT JOIN busy b ON b.file_id = w.file_id AND b.step = w.step
 LEFT JOIN sums s ON s.file_id = w.file_id AND s.step = w.step
 WHERE EXISTS (SELECT 1 FROM phase_gpu_events e WHERE e.file_id = w.file_id);
 
-CREATE OR REPLACE VIEW phase_collectives AS
+CREATE OR REPLACE VIEW phase_collective_matches AS
 WITH nk AS (
     SELECT g.file_id, g.rank, w.step, coalesce(g.pg_name, '') AS pg_name,
            coalesce(g.coll_name, nullif(regexp_extract(g.name, phase_setting('nccl_coll_from_kernel_regex'), 1), ''), g.name) AS coll_name,
@@ -78,17 +79,19 @@ WITH nk AS (
     WHERE g.is_nccl
 ), numbered AS (
     SELECT *, row_number() OVER (PARTITION BY file_id, step, pg_name, coll_name ORDER BY start_us) AS idx FROM nk
-), ranks_per_step AS (
-    SELECT step, count(DISTINCT rank) AS n_ranks FROM nk GROUP BY step
 ), inst AS (
     SELECT n.*, count(*) OVER w AS n, min(seconds) OVER w AS min_s, max(seconds) OVER w AS max_s,
-           min(start_us) OVER w AS first_start
+           min(start_us) OVER w AS first_start,
+           count(DISTINCT rank) OVER (PARTITION BY step) AS n_ranks
     FROM numbered n
     WINDOW w AS (PARTITION BY step, pg_name, coll_name, idx)
-), matched AS (
-    SELECT i.* FROM inst i JOIN ranks_per_step r USING (step) WHERE i.n = r.n_ranks AND i.n >= 2
 )
+SELECT step, pg_name, coll_name, idx, file_id, rank, start_us, seconds,
+       seconds - min_s AS wait_s, max_s - seconds AS late_s, (start_us - first_start) / 1e6 AS start_late_s
+FROM inst WHERE n = n_ranks AND n >= 2;
+
+CREATE OR REPLACE VIEW phase_collectives AS
 SELECT m.step, m.pg_name, m.coll_name, m.idx, m.rank, s.phase, s.sub_phase, m.start_us, m.seconds,
-       m.seconds - m.min_s AS wait_s, m.max_s - m.seconds AS late_s, (m.start_us - m.first_start) / 1e6 AS start_late_s
-FROM matched m
+       m.wait_s, m.late_s, m.start_late_s
+FROM phase_collective_matches m
 ASOF LEFT JOIN phase_kineto_segments s ON m.file_id = s.file_id AND m.start_us >= s.start_us;

@@ -36,20 +36,26 @@
 -- FROM phase_steps ORDER BY step, rank NULLS FIRST;
 -- ```
 CREATE OR REPLACE VIEW phases AS
-WITH kin_base AS (
+WITH seg AS (
+    SELECT * FROM phase_kineto_segments
+), kin_base AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(s.seconds) AS seconds
-    FROM phase_kineto_segments s GROUP BY s.rank, s.step, s.phase, s.sub_phase
+    FROM seg s GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_gpu AS (
-    SELECT rank, step, phase, sub_phase, sum(kernel_s) AS kernel_s, sum(nccl_s) AS nccl_s
-    FROM phase_gpu GROUP BY rank, step, phase, sub_phase
+    SELECT s.rank, s.step, s.phase, s.sub_phase,
+           sum(g.seconds) FILTER (WHERE NOT g.is_nccl) AS kernel_s, sum(g.seconds) FILTER (WHERE g.is_nccl) AS nccl_s
+    FROM phase_gpu_events g ASOF JOIN seg s ON g.file_id = s.file_id AND g.start_us >= s.start_us
+    WHERE g.start_us < s.end_us
+    GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_wait AS (
-    SELECT rank, step, phase, sub_phase, sum(wait_s) AS wait_s
-    FROM phase_collectives GROUP BY rank, step, phase, sub_phase
+    SELECT s.rank, s.step, s.phase, s.sub_phase, sum(m.wait_s) AS wait_s
+    FROM phase_collective_matches m ASOF JOIN seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
+    GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_step AS (
     SELECT rank, step, sum(step_s) AS step_s FROM phase_profiler_steps GROUP BY rank, step
 ), kin AS (
     SELECT b.rank, b.step, b.phase, b.sub_phase, b.seconds, 'kineto' AS source, k.step_s, true AS in_step,
-           g.kernel_s, g.nccl_s, w.wait_s
+           coalesce(g.kernel_s, 0) AS kernel_s, coalesce(g.nccl_s, 0) AS nccl_s, w.wait_s
     FROM kin_base b
     JOIN kin_step k ON k.rank IS NOT DISTINCT FROM b.rank AND k.step = b.step
     LEFT JOIN kin_gpu g ON g.rank IS NOT DISTINCT FROM b.rank AND g.step = b.step AND g.phase = b.phase
@@ -166,7 +172,7 @@ WITH p AS (
     SELECT rank, step, sum(gpu_busy_s) AS gpu_busy_s, sum(gpu_idle_s) AS gpu_idle_s, sum(nccl_s) AS nccl_s
     FROM phase_gpu_steps GROUP BY rank, step
 ), c AS (
-    SELECT rank, step, sum(late_s) AS late_s FROM phase_collectives GROUP BY rank, step
+    SELECT rank, step, sum(late_s) AS late_s FROM phase_collective_matches GROUP BY rank, step
 )
 SELECT p.rank, p.step, p.source, p.step_s, p.rollout_s, p.logprob_s, p.reward_s, p.train_s, p.sync_s,
        p.other_s, p.idle_s, p.outside_s, p.wait_s,
@@ -179,23 +185,27 @@ LEFT JOIN g ON g.rank IS NOT DISTINCT FROM p.rank AND g.step = p.step
 LEFT JOIN c ON c.rank IS NOT DISTINCT FROM p.rank AND c.step = p.step;
 
 CREATE OR REPLACE VIEW phase_run_steps AS
-WITH run AS (
-    SELECT step, source, 1 AS ranks, step_s, rollout_s, logprob_s, reward_s, train_s, sync_s, other_s, idle_s, outside_s
-    FROM phase_steps WHERE rank IS NULL
-), per_rank AS (
-    SELECT step, 'mean of ranks (' || string_agg(DISTINCT source, ', ') || ')' AS source, count(*) AS ranks,
-           avg(step_s), avg(rollout_s), avg(logprob_s), avg(reward_s), avg(train_s), avg(sync_s), avg(other_s),
-           avg(idle_s), avg(outside_s)
-    FROM phase_steps WHERE rank IS NOT NULL AND step NOT IN (SELECT step FROM run)
-    GROUP BY step
-)
-SELECT * FROM run
-UNION ALL
-SELECT * FROM per_rank;
+SELECT step,
+       CASE WHEN bool_or(rank IS NULL) THEN max(source) FILTER (WHERE rank IS NULL)
+            ELSE 'mean of ranks (' || string_agg(DISTINCT source, ', ') || ')' END AS source,
+       CASE WHEN bool_or(rank IS NULL) THEN 1 ELSE count(*) END AS ranks,
+       CASE WHEN bool_or(rank IS NULL) THEN max(step_s) FILTER (WHERE rank IS NULL) ELSE avg(step_s) END AS step_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(rollout_s) FILTER (WHERE rank IS NULL) ELSE avg(rollout_s) END AS rollout_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(logprob_s) FILTER (WHERE rank IS NULL) ELSE avg(logprob_s) END AS logprob_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(reward_s) FILTER (WHERE rank IS NULL) ELSE avg(reward_s) END AS reward_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(train_s) FILTER (WHERE rank IS NULL) ELSE avg(train_s) END AS train_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(sync_s) FILTER (WHERE rank IS NULL) ELSE avg(sync_s) END AS sync_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(other_s) FILTER (WHERE rank IS NULL) ELSE avg(other_s) END AS other_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(idle_s) FILTER (WHERE rank IS NULL) ELSE avg(idle_s) END AS idle_s,
+       CASE WHEN bool_or(rank IS NULL) THEN max(outside_s) FILTER (WHERE rank IS NULL) ELSE avg(outside_s) END AS outside_s
+FROM phase_steps
+GROUP BY step;
 
 CREATE OR REPLACE VIEW phase_timeline AS
-WITH best AS (
-    SELECT DISTINCT rank, step, source FROM phases
+WITH p AS (
+    SELECT * FROM phases
+), best AS (
+    SELECT DISTINCT rank, step, source FROM p
 ), measured AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, s.name, s.start_us, s.end_us, s.source, false AS approximate,
            s.file_id, s.line_no
@@ -209,7 +219,7 @@ WITH best AS (
     SELECT p.rank, p.step, p.phase, p.sub_phase, p.seconds, p.source,
            CASE p.phase WHEN 'rollout' THEN 1 WHEN 'reward' THEN 2 WHEN 'train' THEN 3 WHEN 'sync' THEN 4
                         WHEN 'other' THEN 5 ELSE 6 END AS ord
-    FROM phases p
+    FROM p
     WHERE p.source LIKE 'metrics%' AND p.phase <> 'idle' AND p.seconds > 0
 ), laid AS (
     SELECT m.*, w.start_us AS step_start,

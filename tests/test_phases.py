@@ -1,0 +1,334 @@
+"""Phase attribution views, phase rules, findings (forensics/phases.py, forensics/findings.py).
+
+Fixture traces are written in the `trace_events` column contract (tests/fixtures/phase_*/
+trace_events.json) and loaded next to logs ingested the normal way, so these tests do not
+depend on the trace parsers; the corpus tests at the end use the real parsers.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+
+from forensics import findings as fd
+from forensics import phases as ph
+from forensics import pipeline
+from forensics.api import Run
+from forensics.store import Store
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def load_trace_fixture(db: Path, fixture: Path) -> None:
+    """Insert a fixture's contract-shaped trace events (and their `files` rows) into ``db``."""
+    doc = json.loads((fixture / "trace_events.json").read_text())
+    con = duckdb.connect(str(db))  # the ingest created every table already
+    try:
+        next_id = int(con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchall()[0][0])
+        ids = {}
+        for old, path in doc["files"].items():
+            ids[int(old)] = next_id
+            fmt = "ray_timeline" if path.endswith("timeline.json") else "kineto_trace"
+            con.execute("INSERT INTO files (file_id, root, path, format, kind, status) VALUES (?, ?, ?, ?, 'structured', 'ok')",
+                        [next_id, str(fixture), path, fmt]).fetchall()
+            next_id += 1
+        events = pl.DataFrame(doc["events"], infer_schema_length=None).with_columns(
+            pl.col("file_id").replace_strict(ids, return_dtype=pl.Int32),
+            pl.col("ts").str.to_datetime("%Y-%m-%d %H:%M:%S%.f", time_unit="us"),
+        )
+        have = {r[0] for r in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'trace_events'").fetchall()}
+        types = {"source": "VARCHAR", "rank": "INTEGER", "pid": "VARCHAR", "tid": "VARCHAR", "ph": "VARCHAR",
+                 "category": "VARCHAR", "name": "VARCHAR", "ts_us": "DOUBLE", "dur_us": "DOUBLE", "ts": "TIMESTAMP",
+                 "device": "INTEGER", "stream": "BIGINT", "coll_name": "VARCHAR", "pg_name": "VARCHAR",
+                 "coll_group_size": "INTEGER", "coll_dtype": "VARCHAR"}
+        for c in events.columns:  # only when no trace parser declared the table yet
+            if c not in have:
+                con.execute(f'ALTER TABLE trace_events ADD COLUMN "{c}" {types[c]}').fetchall()
+        con.register("_fixture_events", events.to_arrow())
+        con.execute("INSERT INTO trace_events BY NAME SELECT * FROM _fixture_events").fetchall()
+        con.unregister("_fixture_events")
+    finally:
+        con.close()
+
+
+def build_db(tmp_path: Path, fixture: str, extra: list[Path] = ()) -> Path:
+    """Ingest a fixture folder's logs (plus ``extra`` files) and load its trace events."""
+    src = tmp_path / "run"
+    shutil.copytree(FIXTURES / fixture, src, ignore=shutil.ignore_patterns("trace_events.json"))
+    for p in extra:
+        shutil.copy(p, src / p.name)
+    db = tmp_path / "run.duckdb"
+    pipeline.ingest([str(src)], str(db), workers=1)
+    load_trace_fixture(db, FIXTURES / fixture)
+    return db
+
+
+@pytest.fixture()
+def straggler_db(tmp_path) -> Path:
+    return build_db(tmp_path, "phase_straggler")
+
+
+def rows(con, sql: str, params=None) -> list[dict]:
+    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table()).to_dicts()
+
+
+# -- rules ----------------------------------------------------------------------------------
+
+def test_rules_load_and_map_names():
+    rules, settings, sha = ph.load_rules()
+    assert {r["phase"] for r in rules} == set(ph.PHASES)
+    assert settings["profiler_step_regex"] and len(sha) == 64
+    con = duckdb.connect()
+    con.execute("CREATE TABLE phase_rules (priority INTEGER, phase VARCHAR, sub_phase VARCHAR, pattern VARCHAR, sources VARCHAR, in_step BOOLEAN)")
+    con.execute("CREATE TABLE phase_settings (key VARCHAR, value VARCHAR)")
+    ph.attach(con)
+    got = dict(con.execute("""
+        SELECT n, arg_min(phase || '/' || coalesce(sub_phase, ''), priority) FROM (VALUES ('gen'), ('Update_Actor'),
+            ('compute_ref_log_prob'), ('update_weights'), ('save_checkpoint'), ('DistributedDataParallel.forward')) t(n)
+        JOIN phase_rules ON regexp_full_match(lower(n), pattern) GROUP BY n""").fetchall())
+    assert got == {"gen": "rollout/generate", "Update_Actor": "train/actor", "compute_ref_log_prob": "rollout/logprob",
+                   "update_weights": "sync/weights", "save_checkpoint": "other/checkpoint"}
+    assert con.execute("SELECT phase_setting('step_metric')").fetchall()[0][0] == "step"
+
+
+def test_bad_rules_are_refused(tmp_path):
+    bad = tmp_path / "phases.yaml"
+    bad.write_text("rules:\n  - phase: warmup\n    names: [x]\n")
+    with pytest.raises(ph.PhaseRulesError, match="warmup"):
+        ph.load_rules(bad)
+    bad.write_text("rules:\n  - phase: train\n    sub_phase: x\n")
+    with pytest.raises(ph.PhaseRulesError, match="neither"):
+        ph.load_rules(bad)
+
+
+def test_read_only_connection_gets_temp_rules(straggler_db):
+    con = duckdb.connect(str(straggler_db), read_only=True)
+    try:
+        ph.attach(con)
+        temp = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
+        assert {"phase_rules", "phase_settings"} <= temp
+        assert con.execute("SELECT count(*) FROM phases").fetchall()[0][0] > 0
+    finally:
+        con.close()
+
+
+def test_views_are_created_without_trace_tables(tmp_path):
+    """A database whose parsers declare no trace_events/engine_events still gets the views."""
+    db = tmp_path / "bare.duckdb"
+    store = Store(db)
+    store.con.execute("DROP VIEW IF EXISTS phase_trace").fetchall()
+    for t in ("trace_events", "engine_events"):
+        store.con.execute(f"DROP TABLE IF EXISTS {t} CASCADE").fetchall()
+    store.create_views()
+    ph.attach(store.con)
+    assert store.con.execute("SELECT count(*) FROM phase_steps").fetchall()[0][0] == 0
+    store.close()
+
+
+# -- profiler traces ------------------------------------------------------------------------
+
+def test_profiler_steps_are_aligned_to_training_steps(straggler_db):
+    with Run(straggler_db) as run:
+        got = run.sql("SELECT rank, profiler_step, step, step_from FROM phase_profiler_steps ORDER BY rank, step").to_dicts()
+    # ProfilerStep#5/#6 start when the logs say steps 2/3 start: the offset is measured, not assumed
+    assert [(r["rank"], r["profiler_step"], r["step"]) for r in got] == [(0, 5, 2), (0, 6, 3), (1, 5, 2), (1, 6, 3)]
+    assert {r["step_from"] for r in got} == {"log markers"}
+
+
+def test_kineto_phases_add_up_to_the_step(straggler_db):
+    with Run(straggler_db) as run:
+        steps = run.phase_steps().filter(pl.col("source") == "kineto")
+        assert steps.height == 4
+        for r in steps.to_dicts():
+            parts = r["rollout_s"] + r["reward_s"] + r["train_s"] + r["sync_s"] + r["other_s"] + r["idle_s"]
+            assert parts == pytest.approx(r["step_s"], abs=1e-6)
+            assert r["rollout_s"] == pytest.approx(0.40, abs=1e-6)
+            assert r["train_s"] == pytest.approx(0.50, abs=1e-6)
+            assert r["sync_s"] == pytest.approx(0.04, abs=1e-6)
+            assert r["idle_s"] == pytest.approx(0.01, abs=1e-6)
+            # GPU: busy = union of kernels (NCCL overlaps nothing here), idle = the rest
+            assert r["gpu_busy_s"] + r["gpu_idle_s"] == pytest.approx(r["step_s"], abs=1e-6)
+        r0 = steps.filter(pl.col("rank") == 0).to_dicts()[0]
+        r1 = steps.filter(pl.col("rank") == 1).to_dicts()[0]
+        assert r0["wait_s"] == pytest.approx(0.39, abs=1e-6) and r1["wait_s"] == pytest.approx(0.0, abs=1e-6)
+        assert r1["late_s"] == pytest.approx(0.39, abs=1e-6) and r0["late_s"] == pytest.approx(0.0, abs=1e-6)
+        assert r0["nccl_s"] == pytest.approx(0.41, abs=1e-6)
+        assert r0["gpu_busy_s"] == pytest.approx(0.34 + 0.04 + 0.40 + 0.03 + 0.002 + 0.01, abs=1e-6)
+
+
+def test_metric_steps_are_run_level(straggler_db):
+    with Run(straggler_db) as run:
+        run_steps = run.sql("SELECT * FROM phase_run_steps ORDER BY step").to_dicts()
+    assert [r["step"] for r in run_steps] == [1, 2, 3, 4, 5]
+    assert all(r["source"] == "metrics" for r in run_steps)
+    s1 = run_steps[0]
+    assert s1["rollout_s"] == pytest.approx(3.0) and s1["idle_s"] == pytest.approx(3.6 - 3.59)
+
+
+def test_timeline_has_exact_and_laid_out_spans(straggler_db):
+    with Run(straggler_db) as run:
+        tl = run.timeline()
+    kin = tl.filter(pl.col("source") == "kineto")
+    assert set(kin["phase"].to_list()) == {"rollout", "reward", "train", "sync"}
+    assert not kin["approximate"].any()
+    met = tl.filter(pl.col("source") == "metrics")
+    assert met["approximate"].all() and met["rank"].is_null().all()
+    # laid out from each step's start marker, in phase order, without overlaps
+    s2 = met.filter(pl.col("step") == 2).sort("start_us")
+    assert s2["phase"].to_list() == ["rollout", "reward", "train", "sync"]
+    assert (s2["start_us"][1:] >= s2["end_us"][:-1] - 1e-3).all()
+
+
+def test_findings_name_the_straggler_and_the_jump(straggler_db):
+    with Run(straggler_db) as run:
+        found = run.findings()
+    stragglers = [f for f in found if f["id"] == "straggler"]
+    assert [f["rank"] for f in stragglers] == [1]
+    assert stragglers[0]["phase"] == "train" and stragglers[0]["steps"] == [2, 3]
+    assert stragglers[0]["value"] == pytest.approx(0.39, abs=0.01)
+    assert "0.39 s after the first rank" in stragglers[0]["detail"]
+    jumps = [f for f in found if f["id"] == "step_time_jump"]
+    assert [f["steps"] for f in jumps] == [[5]] and jumps[0]["phase"] == "train"
+    assert jumps[0]["evidence"][0]["file"] == "metrics.jsonl" and jumps[0]["evidence"][0]["line"] == 5
+    for f in found:
+        assert {"id", "rank", "detail"} <= set(f) and json.dumps(f)
+
+
+def test_thresholds_are_data(straggler_db):
+    cfg = fd.load_thresholds()
+    cfg["straggler"]["min_gap_s"] = 0.5  # the fixture's gap is 0.39 s
+    cfg["slow_weight_sync"].update(min_share=0.03, min_s=0.01)
+    con = duckdb.connect(str(straggler_db), read_only=True)
+    try:
+        found = fd.findings(con, cfg)
+    finally:
+        con.close()
+    assert not [f for f in found if f["id"] == "straggler"]
+    sync = [f for f in found if f["id"] == "slow_weight_sync"]
+    assert len(sync) == 1 and sync[0]["value"] == pytest.approx(0.04, abs=0.001)
+
+
+# -- Ray timeline and markers ---------------------------------------------------------------
+
+def test_ray_tasks_give_per_rank_phases(tmp_path):
+    db = build_db(tmp_path, "phase_ray")
+    with Run(db) as run:
+        steps = run.phase_steps()
+        spans = run.sql("SELECT * FROM phase_spans WHERE source = 'ray' ORDER BY rank, step, start_us")
+    ray = steps.filter(pl.col("source") == "ray").sort("rank", "step")
+    assert ray.select("rank", "step").rows() == [(0, 1), (0, 2), (0, 3), (1, 1), (1, 2), (1, 3)]
+    r1 = ray.filter((pl.col("rank") == 1) & (pl.col("step") == 2)).to_dicts()[0]
+    assert r1["rollout_s"] == pytest.approx(0.6 + 0.1, abs=1e-6)  # generate + log-prob
+    assert r1["logprob_s"] == pytest.approx(0.1, abs=1e-6)
+    assert r1["train_s"] == pytest.approx(0.2, abs=1e-6) and r1["sync_s"] == pytest.approx(0.03, abs=1e-6)
+    # the actor index in `actor_rollout_ref_1:...__init__` is the rank; internal events are no phase
+    assert set(spans["name"].to_list()) == {"generate_sequences", "compute_log_prob", "update_actor", "update_weights"}
+    # the driver's [gen] start/end markers make run-level log spans
+    with Run(db) as run:
+        log_spans = run.sql("SELECT * FROM phase_spans WHERE source = 'log'").to_dicts()
+    assert {(r["rank"], r["step"], r["phase"], round(r["seconds"], 3)) for r in log_spans} == {
+        (None, s, "rollout", 0.62) for s in (1, 2, 3)}
+
+
+def test_rollout_long_tail_across_ranks(tmp_path):
+    db = build_db(tmp_path, "phase_ray")
+    cfg = fd.load_thresholds()
+    cfg["rollout_long_tail"]["rank_ratio"] = 1.1  # rank 1 generates 0.6 s vs 0.5 s
+    cfg["rollout_long_tail"]["skip_first_steps"] = 0
+    with Run(db) as run:
+        found = fd.findings(run.con, cfg)
+    tail = [f for f in found if f["id"] == "rollout_long_tail" and f["rank"] is not None]
+    assert len(tail) == 1 and tail[0]["rank"] == 1
+    cfg["rollout_long_tail"]["rank_ratio"] = 1.5
+    with Run(db) as run:
+        assert not [f for f in fd.findings(run.con, cfg) if f["id"] == "rollout_long_tail"]
+
+
+def test_engine_sleep_wake_becomes_sync_when_metrics_hide_it(tmp_path):
+    src = tmp_path / "run"
+    src.mkdir()
+    (src / "driver.log").write_text(
+        "2026-01-01 00:00:00,000 INFO main: step 1: [gen] start\n"
+        "2026-01-01 00:00:02,000 INFO main: step 2: [gen] start\n"
+        "2026-01-01 00:00:04,000 INFO main: done\n")
+    (src / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "data": {"timing_s/gen": 1.5, "timing_s/update_actor": 0.4, "timing_s/step": 2.0}}) + "\n"
+        + json.dumps({"step": 2, "data": {"timing_s/gen": 1.5, "timing_s/update_actor": 0.4, "timing_s/step": 2.0}}) + "\n")
+    db = tmp_path / "e.duckdb"
+    pipeline.ingest([str(src)], str(db), workers=1)
+    store = Store(db)
+    have = {r[0] for r in store.con.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_name = 'engine_events'").fetchall()}
+    for c, t in (("kind", "VARCHAR"), ("ts", "TIMESTAMP"), ("seconds", "DOUBLE")):
+        if c not in have:
+            store.con.execute(f"ALTER TABLE engine_events ADD COLUMN {c} {t}").fetchall()
+    store.con.execute("""INSERT INTO engine_events BY NAME SELECT * FROM (VALUES
+        (1, 2, 'wake', TIMESTAMP '2026-01-01 00:00:00.100', 0.3),
+        (1, 3, 'sleep', TIMESTAMP '2026-01-01 00:00:01.500', 0.2)) t(file_id, line_no, kind, ts, seconds)""").fetchall()
+    store.close()
+    with Run(db) as run:
+        steps = {r["step"]: r for r in run.phase_steps().to_dicts()}
+    assert steps[1]["source"] == "metrics+engine"
+    assert steps[1]["sync_s"] == pytest.approx(0.5) and steps[1]["rollout_s"] == pytest.approx(1.0)
+    assert steps[2]["source"] == "metrics" and steps[2]["sync_s"] == 0
+
+
+# -- real corpus ----------------------------------------------------------------------------
+
+def _traced(db: Path) -> bool:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return bool(con.execute("SELECT count(*) FROM trace_events WHERE source = 'kineto'").fetchall()[0][0])
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("case", ["straggler", "healthy-torchrun"])
+def test_corpus_phases_add_up_to_measured_step_time(ingested_corpus, corpus, case):
+    db = ingested_corpus[corpus / "real" / case]
+    if not _traced(db):
+        pytest.skip("no PyTorch profiler trace parser in this checkout (trace_events is empty)")
+    with Run(db) as run:
+        steps = run.phase_steps()
+    traced = steps.filter(pl.col("source") == "kineto")
+    measured = {r["step"]: r["step_s"] for r in steps.filter(pl.col("rank").is_null()).to_dicts()}  # timing_s/step
+    assert traced.height == 6 and set(traced["step"].to_list()) == {3, 4, 5}
+    for r in traced.to_dicts():
+        phases = r["rollout_s"] + r["reward_s"] + r["train_s"] + r["sync_s"] + r["other_s"]
+        assert phases + r["idle_s"] == pytest.approx(measured[r["step"]], rel=0.03)
+        assert phases / measured[r["step"]] > 0.97  # the annotations cover the step, idle is small
+
+
+def test_corpus_straggler_is_rank_1(ingested_corpus, corpus):
+    db = ingested_corpus[corpus / "real" / "straggler"]
+    if not _traced(db):
+        pytest.skip("no PyTorch profiler trace parser in this checkout (trace_events is empty)")
+    with Run(db) as run:
+        found = [f for f in run.findings() if f["id"] == "straggler"]
+        late = run.sql("SELECT rank, step, sum(late_s) AS late FROM phase_collectives GROUP BY ALL").to_dicts()
+    assert [f["rank"] for f in found] == [1]
+    assert 0.3 <= found[0]["value"] <= 0.5 and found[0]["phase"] == "train"
+    assert all(r["late"] > 0.3 for r in late if r["rank"] == 1)
+    assert all(r["late"] < 0.01 for r in late if r["rank"] == 0)
+
+
+def test_corpus_healthy_torchrun_has_no_straggler(ingested_corpus, corpus):
+    db = ingested_corpus[corpus / "real" / "healthy-torchrun"]
+    with Run(db) as run:
+        assert not [f for f in run.findings() if f["id"] in ("straggler", "rollout_long_tail")]
+
+
+def test_corpus_ray_timeline_phases(ingested_corpus, corpus):
+    db = ingested_corpus[corpus / "real" / "ray-healthy"]
+    with Run(db) as run:
+        steps = run.phase_steps()
+    if steps.filter(pl.col("source") == "ray").is_empty():
+        pytest.skip("no Ray timeline parser in this checkout")
+    ray = steps.filter(pl.col("source") == "ray")
+    assert set(ray["rank"].to_list()) == {0, 1} and set(ray["step"].to_list()) == set(range(1, 9))
+    assert (ray["train_s"] > 0.4).all() and (ray["rollout_s"] > 0.3).all()
