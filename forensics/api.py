@@ -59,6 +59,14 @@ class Run:
 
         return report_mod.write_report_con(self.con, path, title or f"forensics post-mortem: {os.path.basename(self.db)}")
 
+    def diagnose(self, signatures: list[str] | tuple[str, ...] = ()):
+        """Root cause, cascade and remediation of the run (a ``forensics.diagnose.Diagnosis``;
+        ``.to_dict()`` is the ``forensics diagnose --json`` object). ``signatures``: folders of
+        extra rule files."""
+        from . import diagnose as dg
+
+        return dg.diagnose(signature_dirs=signatures, con=self.con)
+
     def close(self) -> None:
         self.store.close()
 

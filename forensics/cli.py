@@ -199,6 +199,95 @@ def report(
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
 
 
+SIGNATURES_OPTION = typer.Option([], "--signatures", "-s", metavar="DIR", help="Folder of extra signature rules (*.yaml); repeatable. Its rules override built-in rules of the same id.")
+
+
+@app.command()
+def diagnose(
+    db: str = DB_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON (see contract.md)."),
+    signatures: List[str] = SIGNATURES_OPTION,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every evidence line of every root cause."),
+) -> None:
+    """Classify what went wrong in the ingested run: root cause with evidence, cascade, remediation.
+
+    Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
+    diagnosis could not run (no database, bad signature files)."""
+    from . import diagnose as dg
+    from .signatures import SignatureError
+
+    if not os.path.exists(db):
+        _fail(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
+    try:
+        result = dg.diagnose(db, signatures)
+    except SignatureError as exc:
+        _fail(f"signature catalogue: {exc}")
+        return
+    except duckdb.IOException as exc:  # locked or unreadable database
+        _fail(f"cannot read {db}: {exc}")
+        return
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        return
+    out.print(dg.render(result, verbose=verbose), highlight=False, markup=False)
+    err.print(f"({result.rules} signatures, {result.seconds:.2f} s)", highlight=False)
+
+
+@app.command("signatures")
+def signatures_cmd(
+    as_json: bool = typer.Option(False, "--json", help="Print the catalogue as JSON."),
+    signatures: List[str] = SIGNATURES_OPTION,
+    check: bool = typer.Option(False, "--check", help="Also compile every pattern with DuckDB's regex engine (RE2)."),
+) -> None:
+    """List the signature catalogue: one rule per line with its class and causal role."""
+    from . import signatures as sig
+
+    try:
+        cat = sig.load(signatures)
+        if check:
+            sig.check_with_duckdb(cat)
+    except sig.SignatureError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        payload = {
+            "sources": cat.sources,
+            "rules": [r.to_dict() for r in cat.rules],
+            "classes": {c.id: {"title": c.title, "remediation": len(c.remediation)} for c in cat.classes.values()},
+            "metric_detectors": sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict)),
+        }
+        typer.echo(json.dumps(payload, indent=2, default=str))
+        return
+    t = RichTable(show_edge=False)
+    for c in ("id", "class", "role", "weight", "title"):
+        t.add_column(c, overflow="fold")
+    for r in sorted(cat.rules, key=lambda r: (r.cls, r.role, r.id)):
+        t.add_row(r.id, r.cls, r.role, f"{r.weight:.2f}", r.title or "")
+    out.print(t)
+    detectors = ", ".join(sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict)))
+    out.print(f"{len(cat.rules)} rule(s) from {len(cat.sources)} file(s); metric detectors: {detectors}", highlight=False)
+
+
+@app.command()
+def evaluate(
+    corpus_dir: str = typer.Argument(..., help="Folder of labelled bundles (each with a label.json), e.g. ../shared/corpus."),
+    work: Optional[str] = typer.Option(None, "--work", help="Folder for the per-bundle databases (default: a temporary folder)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    signatures: List[str] = SIGNATURES_OPTION,
+) -> None:
+    """Ingest every labelled bundle, diagnose it and score the diagnoses against the labels."""
+    from . import evaluate as ev
+
+    try:
+        report_ = ev.evaluate(corpus_dir, work_dir=work, signature_dirs=signatures)
+    except FileNotFoundError as exc:
+        _fail(str(exc))
+        return
+    if as_json:
+        typer.echo(json.dumps(report_.to_dict(), indent=2, default=str))
+        return
+    out.print(ev.render(report_), highlight=False, markup=False)
+
 def main() -> None:
     try:
         app()

@@ -103,9 +103,10 @@ class Finding:
     rank: int | None
     detail: str
     evidence: list[Evidence] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. phase, steps, value, source
 
     def to_dict(self) -> dict:
-        d = {"id": self.id, "rank": self.rank, "detail": self.detail}
+        d = {"id": self.id, "rank": self.rank, "detail": self.detail, **self.extra}
         if self.evidence:
             d["evidence"] = [e.to_dict() for e in self.evidence]
         return d
@@ -355,6 +356,9 @@ class RunFacts:
         self._load_ranks()
         self.formats = Counter(dict(con.execute("SELECT format, count(*) FROM files GROUP BY format").fetchall()))
         self.has_nccl_lines = bool(con.execute("SELECT count(*) FROM lines WHERE header = 'nccl'").fetchall()[0][0])
+        self.devices_vary = int(con.execute(
+            r"""SELECT count(DISTINCT regexp_extract(text, '[\w.\-]+:\d+:\d+ \[(\d+)\] ', 1)) FROM lines
+                WHERE header = 'nccl' AND contains(message, 'Init COMPLETE')""").fetchall()[0][0]) > 1
         self.dedup_lines = int(con.execute("SELECT count(*) FROM lines WHERE repeat IS NOT NULL").fetchall()[0][0])
         row = con.execute("SELECT count(*), max(step) FROM metrics WHERE step >= 1").fetchall()[0]
         self.metric_rows, self.max_step = int(row[0]), row[1]
@@ -549,7 +553,7 @@ class RunFacts:
             return None
         row = self.con.execute(
             """SELECT rank FROM lines WHERE file_id = ? AND pid = ? AND rank IS NOT NULL
-               ORDER BY abs(line_no - ?) LIMIT 1""", [h.file_id, h.proc, h.line_no]).fetchall()
+               AND header IS DISTINCT FROM 'nccl' ORDER BY abs(line_no - ?) LIMIT 1""", [h.file_id, h.proc, h.line_no]).fetchall()
         return int(row[0][0]) if row else None
 
     def last_step_before(self, h: Hit) -> int | None:
@@ -826,7 +830,9 @@ class _Diagnoser:
         for h in hits:
             # rank: printed on the line, named in its text, or known for its process
             if h.rank is not None:
-                h.rank_source = "line"
+                # an NCCL header prints the local device, not the rank: the parser filled the
+                # rank from the process's communicator lines
+                h.rank_source = "pid" if h.header == "nccl" else "line"
             elif h.groups.get("rank", "").isdigit():
                 h.rank, h.rank_source = int(h.groups["rank"]), "text"
             else:
@@ -958,7 +964,7 @@ class _Diagnoser:
             fallbacks = [e for e in fallbacks if not (stop_ts is None or e.lo is None or e.lo >= stop_ts - timedelta(seconds=5))]
             causes = [e for e in causes if not (stop_ts and e.lo and e.lo > stop_ts)]
 
-        findings = self.findings(hits)
+        findings = self.findings(hits) + self.performance_findings(notes)
         if not causes and not fallbacks:
             end_ev = (ends[-1].evidence() if ends else (stops[0].evidence() if stops else None))
             if not ends and not stops:
@@ -1094,12 +1100,14 @@ class _Diagnoser:
             return same.pop(), "same_failure"
         watchdog = [(h.rank, h.node) for h in hits if h.rule.id == "nccl_watchdog_timeout" and h.rank is not None]
         # the local device of an NCCL line, or the GPU index of an OOM message, on its node
+        # (under Ray every worker sees its one GPU as device 0: only informative when the
+        # run shows processes on other devices)
         for h in ordered:
             local = h.cuda_dev
             if local is None and h.groups.get("gpu", "").isdigit():
                 local = int(h.groups["gpu"])
             gpn = facts.gpus_per_node()
-            if local is not None and (gpn is None or local < gpn):
+            if local is not None and (gpn is None or local < gpn) and (local > 0 or facts.devices_vary):
                 base = facts.node_base(h.node, watchdog)
                 if base is not None:
                     return base + local, "local_device"
@@ -1157,8 +1165,9 @@ class _Diagnoser:
                 return ["the root cause's time is printed without a year; the year was inferred from other stamps of the run"]
             return []
         if root.lo is not None:
-            hi = f" and {root.hi:%Y-%m-%d %H:%M:%S}" if root.hi else ""
-            return [f"the root-cause line carries no timestamp of its own: it happened between {root.lo:%Y-%m-%d %H:%M:%S}{hi} "
+            when = (f"between {root.lo:%Y-%m-%d %H:%M:%S} and {root.hi:%Y-%m-%d %H:%M:%S}" if root.hi
+                    else f"at or after {root.lo:%Y-%m-%d %H:%M:%S}")
+            return [f"the root-cause line carries no timestamp of its own: it happened {when} "
                     "(times taken from neighbouring lines; the order was decided with that uncertainty)"]
         return ["the root-cause line has no timestamp and none could be inferred; the order of events was taken from file positions"]
 
@@ -1251,6 +1260,28 @@ class _Diagnoser:
             ))
             if len(out) >= 3:
                 break
+        return out
+
+    def performance_findings(self, notes: list[str]) -> list[Finding]:
+        """Stragglers, slow weight sync, rollout long tail, step-time jumps
+        (:mod:`forensics.findings`, over the phase-attribution views)."""
+        try:
+            from . import findings as findings_mod
+            from . import phases as phases_mod
+        except ImportError as exc:
+            notes.append(f"performance findings unavailable: {exc}")
+            return []
+        try:
+            phases_mod.attach(self.con)
+            rows = findings_mod.findings(self.con)
+        except (duckdb.Error, ValueError, KeyError, OSError) as exc:
+            notes.append(f"performance findings unavailable: {exc.__class__.__name__}: {exc}")
+            return []
+        out = []
+        for r in rows:
+            r = dict(r)
+            ev = [Evidence(e.get("file"), e.get("line"), e.get("text", "")) for e in r.pop("evidence", None) or []]
+            out.append(Finding(str(r.pop("id")), r.pop("rank", None), str(r.pop("detail", "")), ev, r))
         return out
 
     def findings(self, hits: list[Hit]) -> list[Finding]:
