@@ -1,0 +1,65 @@
+"""Ray timelines: the output of ``ray timeline`` / ``ray.timeline(filename=...)``.
+
+A JSON array of Chrome trace events, all on one line::
+
+    [{"cat": "task::ActorRolloutRefWorker.update_actor", "name": "update_actor",
+      "pid": "10.0.0.2", "tid": "worker:15f2291e...", "ts": 1795999338536675.2,
+      "dur": 530956.771, "ph": "X", "cname": "generic_work",
+      "args": {"name": "update_actor", "task_id": "f50e24e4..."}},
+     {"cat": "task:execute", "name": "task:execute", ...}, ...]
+
+``pid`` is the node's IP, ``tid`` the worker (``worker:<id>``) or driver
+(``driver:<job id>...``); ``cat`` names the task (``task::Class.method``) or the step of
+task execution (``submit_task``, ``task:deserialize_arguments``, ``task:execute``,
+``task:store_outputs``). ``ts`` is in microseconds since the epoch.
+
+Rows go to ``trace_events`` with ``source = 'ray'``, through the same streaming
+splitter and row builder as PyTorch profiler traces (:mod:`parsers.kineto`).
+"""
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from .base import FileContext, ParseOutput
+from .kineto import (
+    BATCH_BYTES, READ_BYTES, ArrayStream, FileState, SafeReader, decoders, meta_row, report_events,
+)
+
+
+def parse_timeline(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYTES) -> ParseOutput:
+    """A Ray timeline: ``trace_events`` rows in batches, then one ``trace_meta`` row."""
+    reader = SafeReader(stream, ctx)
+    buf = bytearray()
+    start = -1
+    while start < 0:
+        block = reader.read(READ_BYTES)
+        if not block:
+            break
+        buf += block
+        body = buf.lstrip()
+        if body:
+            if body[:1] != b"[":
+                ctx.problem("not a Ray timeline: the file does not start with a JSON array", 1, "error")
+                break
+            start = len(buf) - len(body) + 1
+    st = FileState(ctx.file_id, "ray", None, None)  # ts is epoch microseconds already
+    arr = None
+    if start >= 0:
+        on_text, on_values = decoders(st)
+        arr = ArrayStream(reader, buf, start, on_text, on_values, batch_bytes=batch_bytes)
+        for frame in arr.batches():
+            yield "trace_events", frame
+        if not arr.closed:
+            ctx.truncated = True
+            ctx.problem(f"timeline cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
+                        arr.cut_line, "truncated")
+        elif arr.tail.strip():
+            ctx.problem("text after the end of the timeline's event array (ignored)", arr.line, "warning")
+    elif not buf.strip():
+        ctx.truncated = True
+        ctx.problem("empty timeline", None, "truncated")
+    while reader.read(READ_BYTES):  # count the lines of what is left
+        pass
+    ctx.lines = reader.physical_lines()
+    report_events(st, arr, ctx)
+    yield "trace_meta", meta_row(ctx, st, {})
