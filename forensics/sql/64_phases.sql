@@ -24,8 +24,9 @@
 --   `reward_s`, `train_s`, `sync_s`, `other_s`, `idle_s`, `outside_s` (the not-in-step part
 --   of `other_s`), `step_s`, `wait_s`, and for traces `gpu_busy_s`, `gpu_idle_s`, `nccl_s`,
 --   `late_s` (how much later than the first rank this rank reached its collectives, summed).
--- * `phase_run_steps`: one row per step for the run: the run-level row when there is one,
---   else the mean over the ranks (`source` says which, `ranks` how many).
+-- * `phase_run_steps`: one row per step for the run: the run-level row when it comes from the
+--   driver's timing metrics (or nothing else covers the step), else the mean over the ranks
+--   (`source` says which, `ranks` how many).
 -- * `phase_timeline(rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no)`:
 --   the spans to draw on a timeline (microseconds since the epoch). Metric-only steps are
 --   laid out in phase order from the step's start marker (`approximate = true`).
@@ -185,20 +186,28 @@ LEFT JOIN g ON g.rank IS NOT DISTINCT FROM p.rank AND g.step = p.step
 LEFT JOIN c ON c.rank IS NOT DISTINCT FROM p.rank AND c.step = p.step;
 
 CREATE OR REPLACE VIEW phase_run_steps AS
+WITH s AS (
+    SELECT *,
+           -- the driver's timers describe the run best; a run-level row from marker lines only
+           -- when no rank has better figures
+           bool_or(rank IS NULL AND source LIKE 'metrics%') OVER (PARTITION BY step)
+           OR NOT bool_or(rank IS NOT NULL) OVER (PARTITION BY step) AS use_run
+    FROM phase_steps
+)
 SELECT step,
-       CASE WHEN bool_or(rank IS NULL) THEN max(source) FILTER (WHERE rank IS NULL)
-            ELSE 'mean of ranks (' || string_agg(DISTINCT source, ', ') || ')' END AS source,
-       CASE WHEN bool_or(rank IS NULL) THEN 1 ELSE count(*) END AS ranks,
-       CASE WHEN bool_or(rank IS NULL) THEN max(step_s) FILTER (WHERE rank IS NULL) ELSE avg(step_s) END AS step_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(rollout_s) FILTER (WHERE rank IS NULL) ELSE avg(rollout_s) END AS rollout_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(logprob_s) FILTER (WHERE rank IS NULL) ELSE avg(logprob_s) END AS logprob_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(reward_s) FILTER (WHERE rank IS NULL) ELSE avg(reward_s) END AS reward_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(train_s) FILTER (WHERE rank IS NULL) ELSE avg(train_s) END AS train_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(sync_s) FILTER (WHERE rank IS NULL) ELSE avg(sync_s) END AS sync_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(other_s) FILTER (WHERE rank IS NULL) ELSE avg(other_s) END AS other_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(idle_s) FILTER (WHERE rank IS NULL) ELSE avg(idle_s) END AS idle_s,
-       CASE WHEN bool_or(rank IS NULL) THEN max(outside_s) FILTER (WHERE rank IS NULL) ELSE avg(outside_s) END AS outside_s
-FROM phase_steps
+       CASE WHEN any_value(use_run) THEN max(source) FILTER (WHERE rank IS NULL)
+            ELSE 'mean of ranks (' || string_agg(DISTINCT source, ', ') FILTER (WHERE rank IS NOT NULL) || ')' END AS source,
+       CASE WHEN any_value(use_run) THEN 1 ELSE count(*) FILTER (WHERE rank IS NOT NULL) END AS ranks,
+       CASE WHEN any_value(use_run) THEN max(step_s) FILTER (WHERE rank IS NULL) ELSE avg(step_s) FILTER (WHERE rank IS NOT NULL) END AS step_s,
+       CASE WHEN any_value(use_run) THEN max(rollout_s) FILTER (WHERE rank IS NULL) ELSE avg(rollout_s) FILTER (WHERE rank IS NOT NULL) END AS rollout_s,
+       CASE WHEN any_value(use_run) THEN max(logprob_s) FILTER (WHERE rank IS NULL) ELSE avg(logprob_s) FILTER (WHERE rank IS NOT NULL) END AS logprob_s,
+       CASE WHEN any_value(use_run) THEN max(reward_s) FILTER (WHERE rank IS NULL) ELSE avg(reward_s) FILTER (WHERE rank IS NOT NULL) END AS reward_s,
+       CASE WHEN any_value(use_run) THEN max(train_s) FILTER (WHERE rank IS NULL) ELSE avg(train_s) FILTER (WHERE rank IS NOT NULL) END AS train_s,
+       CASE WHEN any_value(use_run) THEN max(sync_s) FILTER (WHERE rank IS NULL) ELSE avg(sync_s) FILTER (WHERE rank IS NOT NULL) END AS sync_s,
+       CASE WHEN any_value(use_run) THEN max(other_s) FILTER (WHERE rank IS NULL) ELSE avg(other_s) FILTER (WHERE rank IS NOT NULL) END AS other_s,
+       CASE WHEN any_value(use_run) THEN max(idle_s) FILTER (WHERE rank IS NULL) ELSE avg(idle_s) FILTER (WHERE rank IS NOT NULL) END AS idle_s,
+       CASE WHEN any_value(use_run) THEN max(outside_s) FILTER (WHERE rank IS NULL) ELSE avg(outside_s) FILTER (WHERE rank IS NOT NULL) END AS outside_s
+FROM s
 GROUP BY step;
 
 CREATE OR REPLACE VIEW phase_timeline AS

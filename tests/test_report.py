@@ -1,0 +1,148 @@
+"""The post-mortem HTML report (forensics/report.py) without a browser: content, escaping,
+aggregation of large timelines, the `forensics report` command."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from forensics import report as rp
+from forensics.cli import app
+from tests.test_phases import FIXTURES, build_db
+
+PAYLOADS = ("<script>window.__pwned=1", "<img src=x onerror=")
+EVIL_NAME = "evil<img src=x onerror=window.__pwned=3>.log"
+
+
+def xss_db(tmp_path: Path) -> Path:
+    """The straggler fixture plus a log whose ERROR lines carry HTML/JS, and a file whose name does."""
+    evil = tmp_path / "extra" / EVIL_NAME
+    evil.parent.mkdir()
+    evil.write_text("2026-01-01 00:00:04,900 ERROR [rank0] trainer: <svg onload=window.__pwned=4>\n")
+    return build_db(tmp_path, "phase_straggler", extra=[FIXTURES / "report_xss" / "trainer-rank1.log", evil])
+
+
+def crafted_diagnosis(monkeypatch) -> dict:
+    """A diagnosis in the contract's shape whose every text field carries markup."""
+    lines = (FIXTURES / "report_xss" / "trainer-rank1.log").read_text().splitlines()
+    diag = {
+        "verdict": "failed",
+        "root_causes": [{
+            "id": "reward_error<b>", "confidence": 0.9, "rank": 1, "node": "<i>node</i>", "phase": "reward", "step": 3,
+            "title": "bad <u>reward</u>", "summary": "summary <script>window.__pwned=5</script>",
+            "evidence": [{"file": "trainer-rank1.log", "line": 2, "text": lines[1]},
+                         {"file": "trainer-rank1.log", "line": 3, "text": lines[2]},
+                         {"file": EVIL_NAME, "line": 1, "text": "<svg onload=window.__pwned=4>"}],
+            "symptoms": ["nccl_timeout<script>"], "cascade": ["rank 1 <b>fails</b>", "rank 0 waits"],
+            "remediation": ["set x: 1 -> 2 <img src=y onerror=window.__pwned=6>"],
+        }],
+        "findings": [{"id": "custom", "rank": None, "detail": "detail <img src=z onerror=window.__pwned=7>"}],
+        "notes": ["note <script>window.__pwned=8</script>"],
+    }
+    monkeypatch.setattr(rp, "_diagnosis", lambda con: (diag, None))
+    return diag
+
+
+def embedded_data(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    assert m, "report data block missing"
+    return json.loads(m.group(1))
+
+
+def test_script_json_cannot_close_the_script():
+    text = rp.script_json({"a": "</script><img src=x onerror=alert(1)>&\u2028", "n": float("nan")})
+    assert not set("<>&") & set(text) and "\u2028" not in text
+    assert json.loads(text) == {"a": "</script><img src=x onerror=alert(1)>&\u2028", "n": None}
+
+
+def test_report_escapes_every_log_text(tmp_path, monkeypatch):
+    db = xss_db(tmp_path)
+    crafted_diagnosis(monkeypatch)
+    out = tmp_path / "r.html"
+    result = rp.write_report(db, out)
+    page = out.read_text()
+    assert result.bytes == len(page.encode()) and result.bytes < 15e6
+    # no raw markup from the logs, the diagnosis or file names
+    for raw in ("<script>window.__pwned", "<img src=x onerror", "<svg onload", "<img src=y", "<img src=z",
+                "<b>fails", "<i>node", "<u>reward", "</pre></section>"):
+        assert raw not in page, raw
+    assert "&lt;img src=x onerror=&quot;window.__pwned=2" in page  # the evidence line, as text
+    assert html_escaped(EVIL_NAME) in page  # the inventory row
+    # self-contained: no external scripts, styles or frames
+    assert not re.search(r"<(script|link|iframe|img)[^>]+(src|href)=", page, re.I)
+    data = embedded_data(page)
+    timeline = data["figures"]["timeline"]
+    names = [t.get("name") for t in timeline["data"]]
+    assert {"rollout", "train", "GPU kernels", "NCCL kernels", "evidence"} <= set(names)
+    ev = next(t for t in timeline["data"] if t["name"] == "evidence")
+    assert len(ev["x"]) == 3 and all("<" not in h for h in ev["hovertext"])
+    lanes = timeline["layout"]["yaxis"]["ticktext"]
+    assert lanes[:3] == ["run", "rank 0", "rank 0 GPU"] and "rank 1 GPU" in lanes
+    assert data["figures"]["steps"]["layout"]["shapes"][0]["x0"] == 3  # failure step marked
+    assert data["figures"]["metrics"]["layout"]["annotations"][-1]["text"] == "failure step 3"
+
+
+def html_escaped(text: str) -> str:
+    import html
+
+    return html.escape(text, quote=True)
+
+
+def test_report_without_diagnose_module_lists_error_lines(tmp_path, monkeypatch):
+    db = xss_db(tmp_path)
+    monkeypatch.setitem(sys.modules, "forensics.diagnose", None)  # `import` raises ImportError
+    page, result = rp.build(__import__("duckdb").connect(str(db), read_only=True))
+    assert any("diagnosis unavailable" in n for n in result.notes)
+    assert "Error lines in the logs" in page and "&lt;script&gt;window.__pwned=1" in page
+    assert "<script>window.__pwned" not in page
+    assert embedded_data(page)["figures"]["steps"] is not None
+
+
+def test_large_timelines_are_aggregated():
+    n = 200_000
+    spans = pl.DataFrame({
+        "lane": [f"rank {i % 64}" for i in range(n)],
+        "kind": ["rollout", "train", "sync", "idle"] * (n // 4),
+        "step": [i // 256 for i in range(n)],
+        "name": [None] * n,
+        "start_us": [float(i // 64) * 250.0 for i in range(n)],
+        "end_us": [float(i // 64) * 250.0 + 200.0 for i in range(n)],
+        "source": ["kineto"] * n,
+        "approximate": [False] * n,
+    })
+    bars, width = rp._aggregate(spans, 20_000)
+    assert width > 0 and bars.height <= 20_000
+    assert set(bars["lane"].to_list()) == set(spans["lane"].to_list())
+    assert set(bars["kind"].to_list()) <= {"rollout", "train", "sync", "idle"}
+    assert bars["start_us"].min() >= spans["start_us"].min() and bars["end_us"].max() <= spans["end_us"].max() + width
+    small = spans.head(100)
+    same, w = rp._aggregate(small, 20_000)
+    assert w == 0 and same.equals(small)
+
+
+def test_cli_report(tmp_path):
+    db = build_db(tmp_path, "phase_ray")
+    out = tmp_path / "out" / "report.html"
+    res = CliRunner().invoke(app, ["report", "--db", str(db), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.exists() and "wrote" in res.output
+    data = embedded_data(out.read_text())
+    assert [t["name"] for t in data["figures"]["steps"]["data"]][:2] == ["rollout", "rollout/logprob"]
+    res = CliRunner().invoke(app, ["report", "--db", str(tmp_path / "missing.duckdb"), "-o", str(out)])
+    assert res.exit_code == 2 and "no database" in res.output
+
+
+def test_api_report(tmp_path):
+    from forensics.api import Run
+
+    db = build_db(tmp_path, "phase_straggler")
+    with Run(db) as run:
+        result = run.report(tmp_path / "api.html")
+    assert Path(result.path).exists() and result.segments > 0
+    shutil.rmtree(tmp_path / "run")

@@ -1,0 +1,74 @@
+"""Open the report in a real headless browser (Debian's Chromium driven by Playwright):
+it loads without JavaScript errors, the plots render, and markup from the logs stays text.
+
+Needs `apt-get install -y chromium` and `pip install playwright` (no `playwright install`:
+the system browser is used). Skips when either is missing.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from forensics import report as rp
+from tests.test_report import EVIL_NAME, crafted_diagnosis, xss_db
+
+CHROMIUM = os.environ.get("FORENSICS_CHROMIUM", "/usr/bin/chromium")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+if not os.path.exists(CHROMIUM):
+    pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install -y chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+def open_report(browser, path):
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(f"pageerror: {exc}"))
+    page.on("console", lambda msg: errors.append(f"console.{msg.type}: {msg.text}") if msg.type == "error" else None)
+    requests: list[str] = []
+    page.on("request", lambda req: requests.append(req.url) if not req.url.startswith(("file:", "data:", "about:")) else None)
+    t0 = time.perf_counter()
+    page.goto(path.as_uri())
+    page.wait_for_selector('body[data-report-ready="1"]', state="attached", timeout=30_000)
+    return page, errors, requests, time.perf_counter() - t0
+
+
+def test_report_renders_and_log_markup_stays_text(browser, tmp_path, monkeypatch):
+    db = xss_db(tmp_path)
+    crafted_diagnosis(monkeypatch)
+    out = tmp_path / "report.html"
+    rp.write_report(db, out, title="browser test")
+    page, errors, requests, seconds = open_report(browser, out)
+    try:
+        assert errors == []
+        assert requests == []  # nothing fetched: the page is self-contained
+        # every plot rendered into SVG, with bars / lines in it
+        for div in ("timeline", "steps", "metrics"):
+            assert page.get_attribute(f"#plot-{div}", "data-rendered") == "1"
+            assert page.locator(f"#plot-{div} svg.main-svg").count() >= 1
+        assert page.locator("#plot-timeline .barlayer .point, #plot-timeline .scatterlayer .js-line").count() > 0
+        assert page.locator("#plot-steps .barlayer .point").count() > 0
+        assert page.locator("#plot-timeline .scatterlayer .point").count() == 3  # evidence markers
+        # no injected handler or script ran
+        assert page.evaluate("window.__pwned === undefined")
+        assert page.title() == "browser test"
+        assert page.locator("#incident img, #incident script, #inventory img, #findings img, main svg[onload]").count() == 0
+        # ... and the markup is shown as text
+        incident = page.inner_text("#incident")
+        assert "<script>window.__pwned=1;document.title='pwned'</script>" in incident
+        assert "<img src=x onerror=\"window.__pwned=2;document.title='pwned'\">" in incident
+        assert EVIL_NAME in page.inner_text("#inventory")
+        assert seconds < 15
+    finally:
+        page.close()
