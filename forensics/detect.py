@@ -64,6 +64,9 @@ def node_from_path(rel: str) -> str | None:
     return None
 
 
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27))
+
+
 def _looks_binary(head: bytes) -> bool:
     if not head:
         return False
@@ -73,7 +76,7 @@ def _looks_binary(head: bytes) -> bool:
     if b"\x00" in sample:
         # UTF-16 text also has NULs; treat it as binary too (we read UTF-8 logs)
         return True
-    controls = sum(1 for b in sample if b < 9 or 13 < b < 27 or 27 < b < 32)
+    controls = len(sample) - len(sample.translate(None, _CONTROL_BYTES))
     return controls > len(sample) * 0.1
 
 
@@ -126,6 +129,7 @@ def _text_kind(name: str, rel: str, head: bytes, hints: dict) -> str:
         return hints["format"]
     if torchrun.rank_from_path(rel) is not None:
         return "torchrun_rank"
+    head = head[:16384]  # a few hundred lines decide the kind
     counts = {k: len(p.findall(head)) for k, p in _KIND_PATTERNS}
     total = max(1, head.count(b"\n"))
     if counts["nccl_debug"] > total * 0.5:

@@ -394,7 +394,8 @@ def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=timezone.utc).replace(tzinfo=None)
 
 
-def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[], int], summary: IngestSummary) -> FileTask | dict | None:
+def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[], int], summary: IngestSummary,
+         known_files: dict | None = None) -> FileTask | dict | None:
     """Decide what to do with one file: a FileTask to parse, a skipped-file row, or
     None when it is already in the database unchanged."""
     try:
@@ -404,7 +405,7 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
         summary.messages.append(f"{rel}: cannot read ({exc.strerror or exc})")
         d = det.Detected("unreadable", "skipped", reason=f"cannot read: {exc.strerror or exc}")
         st = None
-    known = store.known(root, rel)
+    known = known_files.get(rel) if known_files is not None else store.known(root, rel)
     if d.kind == "skipped":
         if known and known.format == d.format and st is not None and known.bytes == st.st_size:
             return None
@@ -483,11 +484,12 @@ def ingest(
                 except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as exc:
                     summary.messages.append(f"{given}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
                 walk_root = str(dest)
+            known_files = store.known_files(root)
             for abs_path, rel in walk(walk_root, summary.messages, skip):
                 if exclude and any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in exclude):
                     continue
                 summary.files_seen += 1
-                decision = plan(store, root, abs_path, rel, next_id, summary)
+                decision = plan(store, root, abs_path, rel, next_id, summary, known_files)
                 if decision is None:
                     summary.files_unchanged += 1
                 elif isinstance(decision, dict):
@@ -514,8 +516,13 @@ def ingest(
             nonlocal done
             done += len(job.results)
             batch.ensure()
+            file_rows, problem_rows = [], []
             for res in job.results:
-                _load(store, res, summary, debug)
+                row, probs = _load(store, res, summary, debug)
+                file_rows.append(row)
+                problem_rows.extend(probs)
+            store.insert_rows(PROBLEMS, problem_rows)
+            store.insert_rows(FILES, file_rows)
             counts = store.insert_parts(job.parts)
             for k, v in counts.items():
                 summary.rows_added[k] = summary.rows_added.get(k, 0) + v
@@ -603,9 +610,9 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
                     pending.add(pool.submit(parse_job, nxt, spool, debug))
 
 
-def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> None:
-    """Record one parsed file (its ``files`` row and problems) in the open transaction,
-    after removing its old rows; its data rows come with the job's parts."""
+def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> tuple[dict, list[dict]]:
+    """Prepare one parsed file's ``files`` row and problems (the caller inserts them with
+    the job's parts, in the open transaction), after removing its old rows."""
     task, d = res.task, res.task.detected
     lines_total = res.lines + (task.start_line - 1)
     status = "ok"
@@ -637,9 +644,8 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
             row["parse_errors"] += int(prev[1] or 0)
     if not task.is_new:
         store.delete_file_rows(task.file_id, task.replace_from_line)
-    store.insert_rows(PROBLEMS, res.problems)
-    store.insert_rows(FILES, [row])
     summary.files_loaded += 1
     summary.bytes_read += task.size - task.start_offset
     summary.unparsed_lines += res.unparsed
     summary.files_by_format[d.format] = summary.files_by_format.get(d.format, 0) + 1
+    return row, res.problems

@@ -169,6 +169,13 @@ class Store:
         ).fetchone()
         return KnownFile(*row) if row else None
 
+    def known_files(self, root: str) -> dict[str, KnownFile]:
+        """Every file already ingested from ``root``, by relative path."""
+        rows = self.con.execute(
+            "SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ?", [root]
+        ).fetchall()
+        return {r[0]: KnownFile(*r[1:]) for r in rows}
+
     def next_file_id(self) -> int:
         return int(self.con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchone()[0])
 

@@ -19,17 +19,16 @@ TEXT_FORMATS = (
     "text", "driver", "torchrun", "torchrun_rank", "nccl_debug", "kernel", "vllm",
     "ray_worker", "ray_core_worker", "ray_raylet", "ray_gcs_server", "ray_monitor",
     "ray_log_monitor", "ray_dashboard", "ray_dashboard_agent", "ray_runtime_env_agent", "ray_events",
+    "metrics_jsonl",  # every line is a line; JSON records also become metrics rows
 )
 
 
 def parser_for(fmt: str) -> Parser | None:
     """The parse function for a detected format, or None when no parser reads it."""
-    from . import text, verl_metrics
+    from . import text
 
     if fmt in TEXT_FORMATS:
         return text.parse_text
-    if fmt == "metrics_jsonl":
-        return verl_metrics.parse_jsonl
     structured = {
         "kineto_trace": ("kineto", "parse_trace"),
         "ray_timeline": ("ray_timeline", "parse_timeline"),

@@ -260,6 +260,7 @@ def line_formats() -> list[Annotator]:
         kernel.annotate,  # dmesg / kern.log / journalctl
         headers.annotate,  # generic python logging / ISO timestamp headers
         verl_metrics.annotate,  # step:N - key:value lines
+        verl_metrics.annotate_jsonl,  # records of metrics JSONL files
     ]
 
 
@@ -318,13 +319,49 @@ def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTE
 def parse_text_batch(sources: list[tuple[bytes, FileContext]]) -> ParseOutput:
     """Parse many small text files (each given whole) in one frame: the per-file cost of
     the vectorised pipeline is paid once per batch instead of once per file."""
-    frames = [lines_frame(data, ctx, ctx.start_line, ctx.start_offset) for data, ctx in sources if data]
+    frames = []
+    whole: list[tuple[str, FileContext]] = []
+    for data, ctx in sources:
+        if not data:
+            continue
+        try:
+            whole.append((data.decode("utf-8"), ctx))
+        except UnicodeDecodeError:
+            frames.append(lines_frame(data, ctx, ctx.start_line, ctx.start_offset))  # the careful path
+    if whole:
+        frames.append(_split_many(whole))
     if not frames:
         return
     cctx = ChunkContext({ctx.file_id: ctx for _, ctx in sources})
-    lines, extras = annotate_chunk(pl.concat(frames), cctx)
+    lines, extras = annotate_chunk(pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0], cctx)
     yield "lines", lines
     yield from extras.items()
+
+
+def _split_many(files: list[tuple[str, FileContext]]) -> pl.DataFrame:
+    """:func:`lines_frame` for many decoded files at once (one split, one explode)."""
+    per_file = pl.DataFrame(
+        {
+            "file_id": [c.file_id for _, c in files],
+            "_fmt": [c.fmt for _, c in files],
+            "actor": [c.actor for _, c in files],
+            "pid": [c.pid for _, c in files],
+            "node": [c.node for _, c in files],
+            "rank": [c.rank for _, c in files],
+            "_l0": [c.start_line for _, c in files],
+            "_o0": [c.start_offset for _, c in files],
+            "text": [t[:-1] if t.endswith("\n") else t for t, _ in files],
+        },
+        schema={"file_id": pl.Int32, "_fmt": pl.String, "actor": pl.String, "pid": pl.Int64, "node": pl.String,
+                "rank": pl.Int32, "_l0": pl.Int64, "_o0": pl.Int64, "text": pl.String},
+    )
+    size = pl.col("text").str.len_bytes().cast(pl.Int64) + 1
+    df = per_file.with_columns(pl.col("text").str.split("\n")).explode("text")
+    df = df.with_columns(
+        (pl.int_range(pl.len(), dtype=pl.Int64).over("file_id") + pl.col("_l0")).alias("line_no"),
+        (size.cum_sum().over("file_id") - size + pl.col("_o0")).alias("byte_offset"),
+    )
+    return df.select("line_no", "byte_offset", "text", "file_id", "_fmt", "actor", "pid", "node", "rank")
 
 
 def _line_stamped(frame: pl.DataFrame, stamps: pl.DataFrame) -> pl.DataFrame:

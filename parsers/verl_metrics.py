@@ -98,37 +98,37 @@ def metric_rows(obj: dict, file_id: int, line_no: int) -> list[dict]:
     return rows
 
 
-def parse_jsonl(stream: BinaryIO, ctx: FileContext) -> ParseOutput:
-    """Metrics JSONL: every line into ``lines`` (text pipeline) plus ``metrics`` rows."""
-    from .text import parse_text
-
-    bad = 0
-    for name, frame in parse_text(stream, ctx):
-        if name != "lines":
-            yield name, frame
+def annotate_jsonl(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
+    """Lines of metrics JSONL files (format ``metrics_jsonl``): each JSON record's line
+    gets header ``json`` and its values become ``metrics`` rows; a line that is not
+    JSON is reported (the first 20 per file, then a count) and kept as text."""
+    is_jsonl = pl.col("_fmt") == "metrics_jsonl"
+    if not df.select(is_jsonl.any()).item():
+        return df, {}
+    rows: list[dict] = []
+    ok: list[tuple[int, int]] = []
+    for file_id, line_no, text in df.filter(is_jsonl).select("file_id", "line_no", "text").iter_rows():
+        body = text.strip()
+        if not body:
             continue
-        rows: list[dict] = []
-        ok_lines: list[int] = []
-        for line_no, text in frame.select("line_no", "text").iter_rows():
-            body = text.strip()
-            if not body:
-                continue
-            try:
-                obj = _json_loads(body)
-            except (ValueError, KeyError) as exc:
-                bad += 1
-                if bad <= 20:
-                    ctx.problem(f"line {line_no}: not a JSON record ({exc})", line_no, "warning")
-                continue
-            ok_lines.append(line_no)
-            if isinstance(obj, dict):
-                rows.extend(metric_rows(obj, ctx.file_id, line_no))
-        if ok_lines:
-            claimed = pl.col("line_no").is_in(ok_lines)
-            ctx.unparsed_lines -= frame.filter(claimed & pl.col("header").is_null()).height
-            frame = frame.with_columns(pl.when(claimed).then(pl.lit("json")).otherwise(pl.col("header")).alias("header"))
-        yield name, frame
-        if rows:
-            yield "metrics", pl.DataFrame(rows, schema_overrides={k: v for k, v in METRICS.polars_schema.items() if k in rows[0]}, infer_schema_length=None)
-    if bad > 20:
-        ctx.problem(f"{bad} lines in all were not JSON records", None, "warning")
+        try:
+            obj = _json_loads(body)
+        except (ValueError, KeyError) as exc:
+            bad = ctx.state.get(("jsonl_bad", file_id), 0) + 1
+            ctx.state[("jsonl_bad", file_id)] = bad
+            if bad <= 20:
+                ctx.problem(file_id, f"line {line_no}: not a JSON record ({exc})", line_no, "warning")
+            elif bad == 21:
+                ctx.problem(file_id, "more lines are not JSON records (only the first 20 are listed)", line_no, "warning")
+            continue
+        ok.append((file_id, line_no))
+        if isinstance(obj, dict):
+            rows.extend(metric_rows(obj, file_id, line_no))
+    if ok:
+        claimed = pl.DataFrame(ok, schema={"file_id": pl.Int32, "line_no": pl.Int64}, orient="row").with_columns(pl.lit(True).alias("_json"))
+        df = df.join(claimed, on=["file_id", "line_no"], how="left", maintain_order="left").with_columns(
+            pl.when(pl.col("_json")).then(pl.lit("json")).otherwise(pl.col("header")).alias("header")
+        ).drop("_json")
+    if not rows:
+        return df, {}
+    return df, {"metrics": pl.DataFrame(rows, schema_overrides={k: v for k, v in METRICS.polars_schema.items() if k in rows[0]}, infer_schema_length=None)}
