@@ -599,7 +599,7 @@ class RunConfig:
     def _config_dump(cls, con) -> dict[str, Any]:
         starts = con.execute(
             f"""SELECT file_id, line_no, pid FROM lines
-                WHERE regexp_matches(message, '^\\{{''(?:{'|'.join(cls.TOP_KEYS)})'': ')
+                WHERE regexp_matches(message, '^\\s*\\{{''(?:{'|'.join(cls.TOP_KEYS)})'': ')
                 ORDER BY file_id, line_no LIMIT 4"""
         ).fetchall()
         for file_id, line_no, pid in starts:
@@ -821,20 +821,23 @@ class _Diagnoser:
             "SELECT pid, method FROM ray_task_errors WHERE pid IS NOT NULL AND method IS NOT NULL AND method <> 'run' ORDER BY file_id, line_no"
         ).fetchall():
             task_methods.setdefault(pid, method)
-        bodies_by_proc: dict[tuple[str, int], list[str]] = defaultdict(list)
+        bodies_by_proc: dict[int, list[Hit]] = defaultdict(list)
         for h in hits:
             if h.body and h.proc is not None:
-                bodies_by_proc[(h.rule.id, h.proc)].append(h.body)
+                bodies_by_proc[h.proc].append(h)
         first_metric_line = {fid: ln for fid, ln in self.con.execute(
             "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
         for h in hits:
             # rank: printed on the line, named in its text, or known for its process
-            if h.rank is not None:
+            named = [int(x) for x in re.findall(r"\d+", h.groups.get("ranks", ""))]
+            if len(named) == 1:  # a report naming one other rank (the desync report's lagging rank)
+                h.rank, h.rank_source = named[0], "text"
+            elif h.groups.get("rank", "").isdigit():
+                h.rank, h.rank_source = int(h.groups["rank"]), "text"
+            elif h.rank is not None:
                 # an NCCL header prints the local device, not the rank: the parser filled the
                 # rank from the process's communicator lines
                 h.rank_source = "pid" if h.header == "nccl" else "line"
-            elif h.groups.get("rank", "").isdigit():
-                h.rank, h.rank_source = int(h.groups["rank"]), "text"
             else:
                 m = re.search(r"\[[Rr]ank[ _]?(\d+)\]", h.message)
                 if m:
@@ -855,14 +858,21 @@ class _Diagnoser:
                 ph = _phase_of(h.body or h.message, self.markers)
                 src = "frames" if ph else None
             if ph is None and h.proc is not None:
-                for body in bodies_by_proc.get((h.rule.id, h.proc), []):
-                    ph = _phase_of(body, self.markers)
+                # the traceback of the same process: the same failure copied to another file,
+                # or the exception a failing line leads to a few lines later
+                def near(o: Hit) -> tuple:
+                    same = o.rule.id == h.rule.id
+                    return (not same, o.file_id != h.file_id, abs((o.line_no or 0) - (h.line_no or 0)))
+                for o in sorted(bodies_by_proc.get(h.proc, []), key=near):
+                    if o.rule.id != h.rule.id and (o.file_id != h.file_id or abs((o.line_no or 0) - (h.line_no or 0)) > 40):
+                        continue
+                    ph = _phase_of(o.body, self.markers)
                     if ph:
                         src = "frames"
                         break
             if ph is None and h.proc is not None and h.proc in task_methods:
                 ph, src = _phase_of(task_methods[h.proc], self.markers), "ray_task"
-            if ph is None and facts.metric_rows:
+            if ph is None and facts.metric_rows and (h.file_id in first_metric_line or facts.step_times):
                 if facts.last_step_before(h) is None and not (h.file_id in first_metric_line and (h.line_no or 0) > first_metric_line[h.file_id]):
                     ph, src = "init", "before_first_step"
             h.phase, h.phase_source = ph, src
@@ -989,22 +999,29 @@ class _Diagnoser:
     def _fallback_tier(e: Event) -> float:
         return round(e.weight, 2)
 
+    SAME_MOMENT = timedelta(seconds=2)
+
     def _prefer_simultaneous(self, root: Event, pool: list[Event]) -> Event:
-        """Among events of the root's class at the same instant (a stamp shared by several
-        ranks' lines), prefer one whose text is most specific (highest weight)."""
-        same = [e for e in pool if e.cls == root.cls and e.lo == root.lo and e.lo is not None]
+        """Among events of the root's class within a moment of it (one failure printed as
+        several lines, e.g. the kernel's "invoked oom-killer" then "Killed process"), cite the
+        most specific one (highest weight); a stamped line before an unstamped one."""
+        if root.lo is None:
+            return root
+        same = [e for e in pool if e.cls == root.cls and e.lo is not None and abs(e.lo - root.lo) <= self.SAME_MOMENT
+                and (e.precise_any or not root.precise_any)]
         if len(same) <= 1:
             return root
-        return min(same, key=lambda e: (-e.weight, e.origin.path, e.origin.line_no or 0))
+        return min(same, key=lambda e: (-e.weight, e.lo, e.origin.path, e.origin.line_no or 0))
 
     def _alarm_event(self, a: detectors.Alarm) -> Event:
         rule = Rule(id=f"metric_{a.detector}", cls=a.cls, role="cause", patterns=(".",), keywords=(), keywords_ci=(),
                     weight=0.9 if a.detector in ("nonfinite", "spike", "entropy_collapse") else 0.75,
                     title=a.detail, phase="train")
+        row = self.con.execute("SELECT message FROM lines WHERE file_id = ? AND line_no = ?", [a.file_id, a.line_no]).fetchall()
         h = Hit(rule=rule, file_id=a.file_id, path=a.path, fmt="metrics", line_no=a.line_no, ts=a.ts,
                 ts_quality="step_time" if a.ts else None, level=None, header=None, actor=None, pid=None, node=None,
-                rank=None, event_line=None, message=a.detail, cls=a.cls, phase="train", phase_source="metrics",
-                step=a.step, alarm=a)
+                rank=None, event_line=None, message=row[0][0] if row else a.detail, cls=a.cls, phase="train",
+                phase_source="metrics", step=a.step, alarm=a)
         return Event(cls=a.cls, hits=[h], role="cause")
 
     # -- building the incident ------------------------------------------------------------
@@ -1052,7 +1069,7 @@ class _Diagnoser:
             if e.lo and root.lo and e.hi and e.hi < root.lo:
                 continue  # clearly before the root: not its effect
             cascade_hits.extend(e.hits)
-            if e.role in ("fallback", "symptom") and all(h.rule.symptom for h in e.hits) and e.cls != cls and e.cls not in sym_classes:
+            if e.role in ("fallback", "symptom") and any(h.rule.symptom for h in e.hits) and e.cls != cls and e.cls not in sym_classes:
                 sym_classes.append(e.cls)
         info = self.cat.classes.get(cls)
         title = info.title if info else cls
@@ -1063,6 +1080,11 @@ class _Diagnoser:
         if root.role == "fallback":
             notes.append("no concrete cause (OOM, crash, hardware, network, data error) was found before this; "
                          "it is reported as the root cause for lack of an earlier one")
+        for h in hits:  # lines that support the reading (the interface NCCL chose, the ROCm platform, ...)
+            if h.rule.role == "context" and h.cls == cls:
+                note = f"supporting: {h.rule.title or h.rule.id} ({h.path}:{h.line_no}: {_clip(h.message, 120)})"
+                if note not in notes and len(notes) < 4:
+                    notes.append(note)
         notes.extend(self._time_notes(root, origin))
         notes.extend(self._missing_evidence_notes(cls, facts, root))
         summary = self._summary(root, cls, rank, origin)
@@ -1153,7 +1175,10 @@ class _Diagnoser:
             seen_files.add(h.path)
         ev = [h.evidence() for h in out]
         if first.alarm is not None:
-            ev.extend(Evidence(p, ln, first.message, rule=first.rule.id) for p, ln in first.alarm.also[:3])
+            for p, ln in first.alarm.also[:3]:
+                row = self.con.execute("SELECT l.message FROM lines l JOIN files f USING (file_id) WHERE f.path = ? AND l.line_no = ?",
+                                       [p, ln]).fetchall()
+                ev.append(Evidence(p, ln, row[0][0] if row else "", rule=first.rule.id))
         return ev
 
     def _time_notes(self, root: Event, origin: Hit) -> list[str]:
@@ -1222,7 +1247,8 @@ class _Diagnoser:
         for desc, hs in ordered[:12]:
             ranks = sorted({h.rank for h in hs if h.rank is not None})
             who = _ranks_text(ranks) if ranks else ("driver" if all(h.fmt in ("driver", "text") for h in hs) else f"{len(hs)} line(s)")
-            lines.append(f"{who}: {desc} — caused by {cause}")
+            same = all(h.cls == cls for h in hs)
+            lines.append(f"{who}: {desc}" + (" (the same failure seen by other processes)" if same else f" — caused by {cause}"))
         return lines
 
     def _remediation(self, cls: str, root: Event, phase: str | None, config: RunConfig) -> list[str]:
