@@ -65,45 +65,56 @@ def straggler_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
         return []
     late = _q(con, "SELECT rank, step, sum(late_s) AS late_s, any_value(coll_name) AS coll FROM phase_collectives GROUP BY rank, step")
     late_by = {(r["rank"], r["step"]): r for r in late.iter_rows(named=True)}
+    # the median of the *other* ranks: exact for few ranks, the all-rank median otherwise
+    busy = busy.with_columns(
+        pl.len().over("step", "phase").alias("n"),
+        pl.col("busy_s").median().over("step", "phase").alias("all_med"),
+        pl.col("busy_s").sum().over("step", "phase").alias("all_sum"),
+    ).filter(pl.col("n") >= 2)
+    few = busy.filter(pl.col("n") <= 4)
+    if few.height:
+        peers = {}
+        for (step, phase), grp in few.group_by(["step", "phase"]):
+            vals = grp.select("rank", "busy_s").rows()
+            for rank, _ in vals:
+                peers[(step, phase, rank)] = statistics.median(v for r, v in vals if r != rank)
+        busy = busy.with_columns(
+            pl.struct("step", "phase", "rank").map_elements(
+                lambda k: peers.get((k["step"], k["phase"], k["rank"])), return_dtype=pl.Float64).alias("few_med"))
+    else:
+        busy = busy.with_columns(pl.lit(None, pl.Float64).alias("few_med"))
+    busy = busy.with_columns(pl.coalesce("few_med", "all_med").alias("peer_s"))
+    busy = busy.with_columns((pl.col("busy_s") - pl.col("peer_s")).alias("gap_s"))
+    busy = busy.with_columns(
+        ((pl.col("gap_s") >= cfg["min_gap_s"])
+         & ((pl.col("peer_s") <= 0) | (pl.col("gap_s") / pl.col("peer_s") >= cfg["min_rel_gap"]))).alias("flag"))
+    per = busy.group_by("rank", "phase").agg(
+        pl.len().alias("measured"), pl.col("flag").sum().alias("flagged"),
+        pl.col("step").filter(pl.col("flag")).sort().alias("steps"),
+        pl.col("gap_s").filter(pl.col("flag")).median().alias("gap"),
+        pl.col("busy_s").filter(pl.col("flag")).median().alias("mine"),
+        pl.col("peer_s").filter(pl.col("flag")).median().alias("peer"),
+        pl.col("source").unique().sort().alias("sources"),
+    ).filter((pl.col("flagged") >= cfg["min_steps"])
+             & (pl.col("flagged") / pl.col("measured") >= cfg["min_share_of_steps"])).sort("phase", "rank")
     out: list[dict] = []
-    for (phase,), grp in busy.group_by(["phase"], maintain_order=True):
-        per_step: dict[int, dict[int, float]] = {}
-        for r in grp.iter_rows(named=True):
-            per_step.setdefault(r["step"], {})[r["rank"]] = r["busy_s"]
-        sources = sorted(set(grp["source"].to_list()))
-        ranks = sorted(set(grp["rank"].to_list()))
-        for rank in ranks:
-            measured, flagged, gaps, mine, peers_med = [], [], [], [], []
-            for step, by_rank in per_step.items():
-                if rank not in by_rank or len(by_rank) < 2:
-                    continue
-                measured.append(step)
-                peers = [v for r, v in by_rank.items() if r != rank]
-                med = statistics.median(peers)
-                gap = by_rank[rank] - med
-                if gap >= cfg["min_gap_s"] and (med <= 0 or gap / med >= cfg["min_rel_gap"]):
-                    flagged.append(step)
-                    gaps.append(gap)
-                    mine.append(by_rank[rank])
-                    peers_med.append(med)
-            if not measured or len(flagged) < cfg["min_steps"] or len(flagged) / len(measured) < cfg["min_share_of_steps"]:
-                continue
-            gap = statistics.median(gaps)
-            detail = (
-                f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {len(measured)} measured steps "
-                f"(steps {_fmt_steps(flagged)}): {statistics.median(mine):.2f} s busy vs {statistics.median(peers_med):.2f} s "
-                f"on the median peer, a gap of {gap:.2f} s per step"
-            )
-            lates = [late_by[(rank, s)]["late_s"] for s in flagged if (rank, s) in late_by]
-            if lates:
-                coll = next((late_by[(rank, s)]["coll"] for s in flagged if (rank, s) in late_by), None)
-                detail += (f"; it reaches the collectives (e.g. {coll}) {statistics.median(lates):.2f} s after the first rank "
-                           "(median per step), so the other ranks wait for it")
-            detail += f" (source: {', '.join(sources)})"
-            out.append({
-                "id": "straggler", "rank": rank, "detail": detail, "phase": phase, "steps": sorted(flagged),
-                "value": round(gap, 4), "source": ", ".join(sources), "evidence": [],
-            })
+    for r in per.iter_rows(named=True):
+        rank, phase, flagged = r["rank"], r["phase"], r["steps"]
+        detail = (
+            f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {r['measured']} measured steps "
+            f"(steps {_fmt_steps(flagged)}): {r['mine']:.2f} s busy vs {r['peer']:.2f} s "
+            f"on the median peer, a gap of {r['gap']:.2f} s per step"
+        )
+        lates = [late_by[(rank, s)]["late_s"] for s in flagged if (rank, s) in late_by]
+        if lates:
+            coll = next((late_by[(rank, s)]["coll"] for s in flagged if (rank, s) in late_by), None)
+            detail += (f"; it reaches the collectives (e.g. {coll}) {statistics.median(lates):.2f} s after the first rank "
+                       "(median per step), so the other ranks wait for it")
+        detail += f" (source: {', '.join(r['sources'])})"
+        out.append({
+            "id": "straggler", "rank": rank, "detail": detail, "phase": phase, "steps": list(flagged),
+            "value": round(r["gap"], 4), "source": ", ".join(r["sources"]), "evidence": [],
+        })
     return out
 
 

@@ -28,6 +28,7 @@ PHASES_YAML = SIGNATURES / "phases.yaml"
 PHASES = ("rollout", "reward", "train", "sync", "other")
 SOURCES = ("kineto", "ray", "metrics", "log")
 SOURCE_HASH_KEY = "_phases_yaml_sha256"
+VIEWS_HASH_KEY = "_phase_views_sha256"  # the 6*_phases*.sql files the stored views were made from
 
 
 class PhaseRulesError(ValueError):
@@ -101,14 +102,57 @@ def _create_setting_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, st
     con.execute(f"CREATE OR REPLACE {where}phase_setting(k) AS CASE k {cases} ELSE NULL END").fetchall()
 
 
+def _view_sql() -> list[tuple[str, str]]:
+    from .store import view_files
+
+    return [(name, sql) for name, sql in view_files() if name.startswith("6") and "phases" in name]
+
+
+def _views_sha() -> str:
+    return hashlib.sha256("".join(sql for _, sql in _view_sql()).encode()).hexdigest()
+
+
+def _ensure_views(con: duckdb.DuckDBPyConnection, read_only: bool, views_sha: str) -> None:
+    """A database written by another forensics version may lack the phase views or hold old
+    ones. A writable connection (re)creates them; a read-only one gets TEMP views (and TEMP
+    shells for the tables no parser declared) that shadow the stored ones."""
+    if not _has_main_table(con, "files"):
+        return  # not a forensics database: nothing to attach the views to
+    stored = None
+    if _has_main_table(con, "phase_settings"):
+        row = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [VIEWS_HASH_KEY]).fetchall()
+        stored = row[0][0] if row else None
+    have = {r[0] for r in con.execute(
+        "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() AND NOT internal").fetchall()}
+    if stored == views_sha and "phases" in have:
+        return
+    temp = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary").fetchall()}
+    if read_only and "phases" in temp:
+        return  # done earlier on this connection
+    for _, sql in _view_sql():
+        for stmt in sql.split(";\n"):
+            if "CREATE" not in stmt:
+                continue
+            if read_only:
+                m = re.search(r"CREATE TABLE IF NOT EXISTS (\w+)", stmt)
+                if m and _has_main_table(con, m.group(1)):
+                    continue
+                stmt = (stmt.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE IF NOT EXISTS")
+                        .replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW")
+                        .replace("CREATE OR REPLACE MACRO", "CREATE OR REPLACE TEMP MACRO"))
+            con.execute(stmt).fetchall()
+
+
 def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> None:
     """Load the phase rules into ``con`` (see the module docstring). Idempotent."""
     rows, settings, sha = load_rules(path)
-    settings = {**settings, SOURCE_HASH_KEY: sha}
+    views_sha = _views_sha()
+    read_only = _read_only(con)
+    _ensure_views(con, read_only, views_sha)
+    settings = {**settings, SOURCE_HASH_KEY: sha, VIEWS_HASH_KEY: views_sha}
     rules_tbl = pl.DataFrame(rows, schema={"priority": pl.Int32, "phase": pl.String, "sub_phase": pl.String,
                                            "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
     settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
-    read_only = _read_only(con)
     _create_setting_macro(con, settings, temp=read_only)
     if read_only:
         con.register("_phase_rules_in", rules_tbl)
@@ -121,8 +165,9 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
             con.unregister("_phase_settings_in")
         return
     if _has_main_table(con, "phase_settings"):
-        have = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [SOURCE_HASH_KEY]).fetchall()
-        if have and have[0][0] == sha:
+        have = dict(con.execute("SELECT key, value FROM main.phase_settings WHERE key IN (?, ?)",
+                                [SOURCE_HASH_KEY, VIEWS_HASH_KEY]).fetchall())
+        if have.get(SOURCE_HASH_KEY) == sha and have.get(VIEWS_HASH_KEY) == views_sha:
             return
     con.register("_phase_rules_in", rules_tbl)
     con.register("_phase_settings_in", settings_tbl)
@@ -147,9 +192,20 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
 # the same name, which the later views (and the caller's queries) then read instead.
 CACHED_VIEWS = (
     "phase_log_markers", "phase_log_steps", "phase_profiler_steps", "phase_spans", "phase_kineto_segments",
-    "phase_gpu_events", "phase_gpu", "phase_gpu_steps", "phase_collectives", "phases", "phase_steps",
+    "phase_gpu_events", "phase_collective_matches", "phase_collectives", "phases", "phase_steps",
     "phase_run_steps", "phase_timeline",
 )
+
+
+def _view_queries() -> dict[str, str]:
+    """The query of each phase view, as written in its SQL file."""
+    out = {}
+    for _, sql in _view_sql():
+        for stmt in sql.split(";\n"):
+            m = re.search(r"CREATE OR REPLACE VIEW (\w+) AS\s", stmt)
+            if m:
+                out[m.group(1)] = stmt[m.end():]
+    return out
 
 
 @contextmanager
@@ -160,19 +216,26 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
     views; they are dropped on exit. Nested use reuses the outer block's tables.
     """
     attach(con)
-    db = con.execute("SELECT current_database()").fetchall()[0][0]
-    have = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
+    temp_tables = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
+    temp_views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary").fetchall()}
+    queries = _view_queries()
     made: list[str] = []
+    replaced_temp_views = False
     try:
         for view in CACHED_VIEWS:
-            if view in have:
+            if view in temp_tables:
                 continue
-            con.execute(f'CREATE TEMP TABLE "{view}" AS SELECT * FROM "{db}".main."{view}"').fetchall()
+            if view in temp_views:  # a read-only connection's stand-in for a stale stored view
+                con.execute(f'DROP VIEW temp.main."{view}"').fetchall()
+                replaced_temp_views = True
+            con.execute(f'CREATE TEMP TABLE "{view}" AS {queries[view]}').fetchall()
             made.append(view)
         yield
     finally:
         for view in reversed(made):
             con.execute(f'DROP TABLE IF EXISTS temp.main."{view}"').fetchall()
+        if replaced_temp_views:
+            _ensure_views(con, True, _views_sha())
 
 
 def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:

@@ -141,19 +141,7 @@ def _timeline_spans(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
         pl.when((pl.col("phase") == "rollout") & (pl.col("sub_phase") == "logprob")).then(pl.lit("rollout/logprob"))
           .otherwise(pl.col("phase")).alias("kind"),
     )
-    gpu = _q(con, """
-        WITH e AS (
-            SELECT rank, is_nccl, start_us, end_us,
-                   max(end_us) OVER (PARTITION BY file_id, is_nccl ORDER BY start_us, end_us
-                                     ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_end, file_id
-            FROM phase_gpu_events
-        ), m AS (
-            SELECT *, sum(CASE WHEN prev_end IS NULL OR start_us > prev_end THEN 1 ELSE 0 END)
-                          OVER (PARTITION BY file_id, is_nccl ORDER BY start_us, end_us ROWS UNBOUNDED PRECEDING) AS isl
-            FROM e
-        )
-        SELECT rank, is_nccl, min(start_us) AS start_us, max(end_us) AS end_us, count(*) AS kernels
-        FROM m GROUP BY file_id, rank, is_nccl, isl""")
+    gpu = _gpu_lanes(con)
     gpu = gpu.with_columns(
         pl.format("rank {} GPU", pl.col("rank")).alias("lane"),
         pl.when(pl.col("is_nccl")).then(pl.lit("nccl")).otherwise(pl.lit("gpu")).alias("kind"),
@@ -162,6 +150,23 @@ def _timeline_spans(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     )
     cols = ["lane", "kind", "step", "name", "start_us", "end_us", "source", "approximate"]
     return pl.concat([spans.select(cols), gpu.select(cols)], how="vertical_relaxed")
+
+
+def _gpu_lanes(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """GPU activity per rank, compute and NCCL apart: every event when they are few; else, per
+    time bin, one bar as long as the GPU time the bin's events add up to (at most the bin)."""
+    n, t0, t1, ranks = con.execute(
+        "SELECT count(*), min(start_us), max(end_us), count(DISTINCT rank) FROM phase_gpu_events").fetchall()[0]
+    if not n:
+        return pl.DataFrame(schema={"rank": pl.Int32, "is_nccl": pl.Boolean, "start_us": pl.Float64, "end_us": pl.Float64})
+    budget = MAX_SEGMENTS // 2
+    if n <= budget:
+        return _q(con, "SELECT rank, is_nccl, start_us, end_us FROM phase_gpu_events WHERE end_us > start_us")
+    width = max((t1 - t0) * 2 * max(ranks, 1) / budget, 1.0)
+    return _q(con, """
+        SELECT rank, is_nccl, ? + bin * ? AS start_us, ? + bin * ? + least(sum(end_us - start_us), ?) AS end_us
+        FROM (SELECT *, floor((start_us - ?) / ?) AS bin FROM phase_gpu_events)
+        GROUP BY rank, is_nccl, bin""", [t0, width, t0, width, width, t0, width])
 
 
 def _aggregate(spans: pl.DataFrame, budget: int) -> tuple[pl.DataFrame, float]:

@@ -65,21 +65,20 @@ FROM (
 );
 
 CREATE OR REPLACE VIEW phase_log_markers AS
-WITH s AS (
-    SELECT phase_setting('log_marker_regex') AS marker_re, phase_setting('log_seconds_regex') AS seconds_re,
-           phase_setting('log_rank_regex') AS rank_re, phase_setting('log_end_words') AS end_words
-), m AS (
-    SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.rank, l.pid, l.actor, l.message, s.*
-    FROM lines l, s
-    WHERE l.ts IS NOT NULL AND l.message ILIKE '%step%' AND regexp_matches(l.message, s.marker_re)
+WITH m AS (
+    SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.rank, l.pid, l.actor, l.message
+    FROM lines l
+    WHERE l.ts IS NOT NULL AND l.message ILIKE '%step%' AND regexp_matches(l.message, phase_setting('log_marker_regex'))
 )
 SELECT file_id, line_no, ts, ts_quality = 'inherited' AS ts_inherited,
-       coalesce(rank, TRY_CAST(nullif(regexp_extract(message, rank_re, 1), '') AS INTEGER)) AS rank,
+       coalesce(rank, TRY_CAST(nullif(regexp_extract(message, phase_setting('log_rank_regex'), 1), '') AS INTEGER)) AS rank,
        pid, actor,
-       CAST(regexp_extract(message, marker_re, 1) AS BIGINT) AS step,
-       coalesce(nullif(regexp_extract(message, marker_re, 2), ''), regexp_extract(message, marker_re, 3)) AS marker_name,
-       CASE WHEN regexp_full_match(lower(regexp_extract(message, marker_re, 4)), end_words) THEN 'end' ELSE 'start' END AS edge,
-       TRY_CAST(nullif(regexp_extract(message, seconds_re, 1), '') AS DOUBLE) AS seconds
+       CAST(regexp_extract(message, phase_setting('log_marker_regex'), 1) AS BIGINT) AS step,
+       coalesce(nullif(regexp_extract(message, phase_setting('log_marker_regex'), 2), ''),
+                regexp_extract(message, phase_setting('log_marker_regex'), 3)) AS marker_name,
+       CASE WHEN regexp_full_match(lower(regexp_extract(message, phase_setting('log_marker_regex'), 4)), phase_setting('log_end_words'))
+            THEN 'end' ELSE 'start' END AS edge,
+       TRY_CAST(nullif(regexp_extract(message, phase_setting('log_seconds_regex'), 1), '') AS DOUBLE) AS seconds
 FROM m;
 
 CREATE OR REPLACE VIEW phase_names AS

@@ -39,15 +39,14 @@ FROM w;
 
 CREATE OR REPLACE VIEW phase_profiler_steps AS
 WITH cfg AS (
-    SELECT phase_setting('profiler_step_regex') AS step_re,
-           TRY_CAST(phase_setting('profiler_step_offset') AS BIGINT) AS default_offset,
+    SELECT TRY_CAST(phase_setting('profiler_step_offset') AS BIGINT) AS default_offset,
            TRY_CAST(phase_setting('align_tolerance_s') AS DOUBLE) AS tol_s
 ), ps AS (
-    SELECT t.file_id, t.rank, TRY_CAST(regexp_extract(t.name, cfg.step_re, 1) AS BIGINT) AS profiler_step,
+    SELECT t.file_id, t.rank, TRY_CAST(regexp_extract(t.name, phase_setting('profiler_step_regex'), 1) AS BIGINT) AS profiler_step,
            t.start_us, t.end_us
-    FROM phase_trace t, cfg
+    FROM phase_trace t
     WHERE t.source = 'kineto' AND t.ph = 'X' AND t.category = 'user_annotation'
-      AND regexp_matches(t.name, cfg.step_re)
+      AND regexp_matches(t.name, phase_setting('profiler_step_regex'))
 ), ps_b AS (
     SELECT ps.*, ps.start_us + least(cfg.tol_s * 1e6, (ps.end_us - ps.start_us) / 2) AS bound
     FROM ps, cfg

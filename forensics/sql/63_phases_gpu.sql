@@ -1,15 +1,18 @@
--- Phase attribution, GPU side of PyTorch profiler traces: `phase_gpu_events`, `phase_gpu`,
--- `phase_gpu_steps`, `phase_collective_matches`, `phase_collectives`.
+-- Phase attribution, GPU side of PyTorch profiler traces: `phase_gpu_events`, `phase_gpu_islands`,
+-- `phase_gpu`, `phase_gpu_steps`, `phase_collective_matches`, `phase_collectives`.
 --
 -- * `phase_gpu_events`: GPU activity (kernels, memcpy, memset) with `is_nccl` (a NCCL
---   collective kernel) and `seconds`.
+--   collective kernel; `name` is kept for those only) and `seconds`.
+-- * `phase_gpu_islands(file_id, rank, stream, is_nccl, start_us, end_us, events)`: back-to-back
+--   events of one CUDA stream merged into busy intervals.
 -- * `phase_gpu(file_id, rank, step, phase, sub_phase, kernel_s, nccl_s, events)`: GPU time of the
 --   events launched while each phase was open (an event belongs to the `phase_kineto_segments`
 --   piece its start falls in): compute kernels and NCCL kernels apart. Phase `idle` = kernels
 --   that started while no phase annotation was open.
 -- * `phase_gpu_steps(file_id, rank, step, step_s, gpu_busy_s, gpu_idle_s, kernel_s, nccl_s)`: per
 --   profiler step, the time the GPU had at least one event running (overlapping streams
---   counted once), the rest (`gpu_idle_s`), and the summed kernel time.
+--   counted once), the rest (`gpu_idle_s`), and the summed kernel time of the events that
+--   started in the step.
 -- * `phase_collectives(step, pg_name, coll_name, idx, rank, phase, sub_phase, start_us, seconds,
 --   wait_s, late_s, start_late_s)`: each NCCL collective matched across ranks (the idx-th
 --   kernel of that collective in that step and process group on every rank that ran
@@ -25,11 +28,29 @@
 -- FROM phase_collectives GROUP BY ALL ORDER BY step, rank;
 -- ```
 CREATE OR REPLACE VIEW phase_gpu_events AS
-SELECT file_id, rank, name, category, stream, coll_name, pg_name, start_us, end_us,
-       (end_us - start_us) / 1e6 AS seconds,
-       (coll_name IS NOT NULL OR regexp_matches(name, phase_setting('nccl_kernel_regex'))) AS is_nccl
-FROM phase_trace
-WHERE source = 'kineto' AND ph = 'X' AND regexp_full_match(category, phase_setting('gpu_categories'));
+WITH g AS (
+    SELECT file_id, rank, name, stream, coll_name, pg_name, start_us, end_us,
+           (coll_name IS NOT NULL OR regexp_matches(name, phase_setting('nccl_kernel_regex'))) AS is_nccl
+    FROM phase_trace
+    WHERE source = 'kineto' AND ph = 'X' AND regexp_full_match(category, phase_setting('gpu_categories'))
+)
+SELECT file_id, rank, CASE WHEN is_nccl THEN name END AS name, stream, coll_name, pg_name, start_us, end_us,
+       (end_us - start_us) / 1e6 AS seconds, is_nccl
+FROM g;
+
+CREATE OR REPLACE VIEW phase_gpu_islands AS
+WITH ordered AS (
+    -- events of one CUDA stream run one after the other: a new island starts after a gap
+    SELECT file_id, rank, stream, is_nccl, start_us, end_us,
+           lag(end_us) OVER (PARTITION BY file_id, stream, is_nccl ORDER BY start_us, end_us) AS prev_end
+    FROM phase_gpu_events
+), marked AS (
+    SELECT *, sum(CASE WHEN prev_end IS NULL OR start_us > prev_end THEN 1 ELSE 0 END)
+                  OVER (PARTITION BY file_id, stream, is_nccl ORDER BY start_us, end_us ROWS UNBOUNDED PRECEDING) AS island
+    FROM ordered
+)
+SELECT file_id, rank, stream, is_nccl, min(start_us) AS start_us, max(end_us) AS end_us, count(*) AS events
+FROM marked GROUP BY file_id, rank, stream, is_nccl, island;
 
 CREATE OR REPLACE VIEW phase_gpu AS
 SELECT s.file_id, s.rank, s.step, s.phase, s.sub_phase,
@@ -43,10 +64,11 @@ GROUP BY s.file_id, s.rank, s.step, s.phase, s.sub_phase;
 
 CREATE OR REPLACE VIEW phase_gpu_steps AS
 WITH ordered AS (
+    -- the union of the streams' islands: overlapping streams count once
     SELECT file_id, start_us, end_us,
            max(end_us) OVER (PARTITION BY file_id ORDER BY start_us, end_us
                              ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS prev_end
-    FROM phase_gpu_events
+    FROM phase_gpu_islands
 ), marked AS (
     SELECT *, sum(CASE WHEN prev_end IS NULL OR start_us > prev_end THEN 1 ELSE 0 END)
                   OVER (PARTITION BY file_id ORDER BY start_us, end_us ROWS UNBOUNDED PRECEDING) AS island
@@ -59,7 +81,11 @@ WITH ordered AS (
     WHERE i.start_us < w.end_us
     GROUP BY w.file_id, w.step
 ), sums AS (
-    SELECT file_id, step, sum(kernel_s) AS kernel_s, sum(nccl_s) AS nccl_s FROM phase_gpu GROUP BY file_id, step
+    SELECT w.file_id, w.step, sum(g.seconds) FILTER (WHERE NOT g.is_nccl) AS kernel_s,
+           sum(g.seconds) FILTER (WHERE g.is_nccl) AS nccl_s
+    FROM phase_gpu_events g ASOF JOIN phase_profiler_steps w ON g.file_id = w.file_id AND g.start_us >= w.start_us
+    WHERE g.start_us < w.end_us
+    GROUP BY w.file_id, w.step
 )
 SELECT w.file_id, w.rank, w.step, w.step_s, coalesce(b.busy_s, 0) AS gpu_busy_s,
        w.step_s - coalesce(b.busy_s, 0) AS gpu_idle_s,
@@ -67,7 +93,7 @@ SELECT w.file_id, w.rank, w.step, w.step_s, coalesce(b.busy_s, 0) AS gpu_busy_s,
 FROM phase_profiler_steps w
 LEFT JOIN busy b ON b.file_id = w.file_id AND b.step = w.step
 LEFT JOIN sums s ON s.file_id = w.file_id AND s.step = w.step
-WHERE EXISTS (SELECT 1 FROM phase_gpu_events e WHERE e.file_id = w.file_id);
+WHERE w.file_id IN (SELECT DISTINCT file_id FROM phase_gpu_islands);
 
 CREATE OR REPLACE VIEW phase_collective_matches AS
 WITH nk AS (

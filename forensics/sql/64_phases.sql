@@ -22,8 +22,9 @@
 --   `wait_s`: of `seconds`, the time spent in collectives waiting for the last rank.
 -- * `phase_steps`: the same, one row per (rank, step): `rollout_s` (incl. `logprob_s`),
 --   `reward_s`, `train_s`, `sync_s`, `other_s`, `idle_s`, `outside_s` (the not-in-step part
---   of `other_s`), `step_s`, `wait_s`, and for traces `gpu_busy_s`, `gpu_idle_s`, `nccl_s`,
---   `late_s` (how much later than the first rank this rank reached its collectives, summed).
+--   of `other_s`), `step_s`, `wait_s`, and for traces `kernel_s`, `nccl_s` (GPU time launched in
+--   the step) and `late_s` (how much later than the first rank this rank reached its
+--   collectives, summed). GPU busy/idle time per step: `phase_gpu_steps`.
 -- * `phase_run_steps`: one row per step for the run: the run-level row when it comes from the
 --   driver's timing metrics (or nothing else covers the step), else the mean over the ranks
 --   (`source` says which, `ranks` how many).
@@ -167,22 +168,13 @@ WITH p AS (
            coalesce(sum(seconds) FILTER (WHERE phase = 'other'), 0) AS other_s,
            coalesce(sum(seconds) FILTER (WHERE phase = 'idle'), 0) AS idle_s,
            coalesce(sum(seconds) FILTER (WHERE NOT in_step), 0) AS outside_s,
-           sum(wait_s) AS wait_s
+           sum(wait_s) AS wait_s, sum(kernel_s) AS kernel_s, sum(nccl_s) AS nccl_s
     FROM phases GROUP BY rank, step
-), g AS (
-    SELECT rank, step, sum(gpu_busy_s) AS gpu_busy_s, sum(gpu_idle_s) AS gpu_idle_s, sum(nccl_s) AS nccl_s
-    FROM phase_gpu_steps GROUP BY rank, step
 ), c AS (
     SELECT rank, step, sum(late_s) AS late_s FROM phase_collective_matches GROUP BY rank, step
 )
-SELECT p.rank, p.step, p.source, p.step_s, p.rollout_s, p.logprob_s, p.reward_s, p.train_s, p.sync_s,
-       p.other_s, p.idle_s, p.outside_s, p.wait_s,
-       CASE WHEN p.source = 'kineto' THEN g.gpu_busy_s END AS gpu_busy_s,
-       CASE WHEN p.source = 'kineto' THEN g.gpu_idle_s END AS gpu_idle_s,
-       CASE WHEN p.source = 'kineto' THEN g.nccl_s END AS nccl_s,
-       CASE WHEN p.source = 'kineto' THEN c.late_s END AS late_s
+SELECT p.*, CASE WHEN p.source = 'kineto' THEN coalesce(c.late_s, 0) END AS late_s
 FROM p
-LEFT JOIN g ON g.rank IS NOT DISTINCT FROM p.rank AND g.step = p.step
 LEFT JOIN c ON c.rank IS NOT DISTINCT FROM p.rank AND c.step = p.step;
 
 CREATE OR REPLACE VIEW phase_run_steps AS
