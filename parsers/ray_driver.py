@@ -14,7 +14,7 @@ from __future__ import annotations
 import polars as pl
 
 from .base import FileContext
-from .text import g
+from .text import apply_header, g
 
 _WORKER = (
     r"^(?P<h>\((?:(?P<actor>[A-Za-z_][\w.<>\-]*) )?pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
@@ -23,27 +23,17 @@ _SYSTEM = r"^(?P<h>\((?P<actor>raylet|autoscaler|gcs_server|monitor|dashboard\w*
 _DEDUP = r" ?\[repeated (\d+)x across cluster\](?: \(Ray deduplicates logs by default\..*)?$"
 
 
-def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
+    starts = pl.col("message").str.starts_with("(")
     for pattern in (_WORKER, _SYSTEM):
-        m = df.get_column("message").str.extract_groups(pattern)
-        hit = m.struct.field("h").is_not_null()
-        if not hit.any():
-            continue
-        df = df.with_columns(m.alias("_m"), hit.alias("_hit"))
-        has_pid = "pid" in m.struct.fields
+        fields = {"actor": g("actor"), "node": pl.coalesce(g("ip"), pl.col("node"))}
+        if pattern is _WORKER:
+            fields["pid"] = g("pid").cast(pl.Int64)
+        df = apply_header(df, pattern, None, fields, only_unset=False, prefilter=starts)
+    if df.select(pl.col("message").str.contains("x across cluster]", literal=True).any()).item():
+        rep = df.get_column("message").str.extract(_DEDUP, 1)
         df = df.with_columns(
-            pl.when(pl.col("_hit")).then(g("actor")).otherwise(pl.col("actor")).alias("actor"),
-            (pl.when(pl.col("_hit")).then(g("pid").cast(pl.Int64)).otherwise(pl.col("pid")) if has_pid else pl.col("pid")).alias("pid"),
-            pl.when(pl.col("_hit")).then(pl.coalesce(g("ip"), pl.col("node"))).otherwise(pl.col("node")).alias("node"),
-            pl.when(pl.col("_hit"))
-            .then(pl.col("message").str.slice(g("h").str.len_chars()))
-            .otherwise(pl.col("message"))
-            .alias("message"),
-        ).drop("_m", "_hit")
-    rep = df.get_column("message").str.extract(_DEDUP, 1)
-    if rep.is_not_null().any():
-        df = df.with_columns(
-            rep.cast(pl.Int32).alias("repeat"),
+            pl.coalesce(rep.cast(pl.Int32), pl.col("repeat")).alias("repeat"),
             pl.col("message").str.replace(_DEDUP, ""),
         )
     return df, {}

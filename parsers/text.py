@@ -150,34 +150,46 @@ def normalise_level(expr: pl.Expr) -> pl.Expr:
 def apply_header(
     df: pl.DataFrame,
     pattern: str,
-    name: str,
+    name: str | None,
     fields: dict[str, pl.Expr],
     only_unset: bool = True,
+    prefilter: pl.Expr | None = None,
 ) -> pl.DataFrame:
     """Recognise one header ``pattern`` (anchored, with a ``(?P<h>...)`` group spanning the
     whole header) on ``message``; where it matches, set ``fields`` (expressions over the
-    struct column ``_m`` holding the named groups), set ``header`` and strip the header.
+    struct column ``_m`` holding the named groups, and over the row's other columns),
+    set ``header`` and strip the header from ``message``.
 
     Rows already claimed by an earlier header are left alone when ``only_unset``.
+    ``name`` None: a prefix rather than a header (``header`` is left as it is).
+    ``prefilter``: a cheap condition (e.g. ``message.str.starts_with('[')``) that every
+    matching row satisfies; the regex then runs on those rows only. The work is done on
+    the matching rows and scattered back, so its cost follows the matches, not the chunk.
     """
-    m = df.get_column("message").str.extract_groups(pattern)
-    hit = m.struct.field("h").is_not_null()
+    cond = pl.lit(True)
     if only_unset:
-        hit = hit & df.get_column("header").is_null()
+        cond = pl.col("header").is_null()
+    if prefilter is not None:
+        cond = cond & prefilter
+    idx = df.select(pl.arg_where(cond)).to_series()
+    if idx.is_empty():
+        return df
+    m = df.get_column("message").gather(idx).str.extract_groups(pattern)
+    hit = m.struct.field("h").is_not_null()
     if not hit.any():
         return df
-    df = df.with_columns(m.alias("_m"), hit.alias("_hit"))
-    updates = [
-        pl.when(pl.col("_hit")).then(expr).otherwise(pl.col(c)).alias(c) for c, expr in fields.items()
-    ]
-    updates.append(pl.when(pl.col("_hit")).then(pl.lit(name)).otherwise(pl.col("header")).alias("header"))
-    updates.append(
-        pl.when(pl.col("_hit"))
-        .then(pl.col("message").str.slice(pl.col("_m").struct.field("h").str.len_chars()))
-        .otherwise(pl.col("message"))
-        .alias("message")
-    )
-    return df.with_columns(updates).drop("_m", "_hit")
+    idx = idx.filter(hit)
+    small = df[idx].with_columns(m.filter(hit).alias("_m"))
+    exprs = dict(fields)
+    if name is not None:
+        exprs["header"] = pl.lit(name, pl.String)
+    exprs["message"] = pl.col("message").str.slice(pl.col("_m").struct.field("h").str.len_chars())
+    new = small.select(**exprs)
+    out = []
+    for column in new.columns:
+        current = df.get_column(column)
+        out.append(current.scatter(idx, new.get_column(column).cast(current.dtype)))
+    return df.with_columns(out)
 
 
 def g(name: str) -> pl.Expr:

@@ -60,10 +60,13 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         sub.with_columns(pl.col("message").str.extract(_STEP_LINE, 1).cast(pl.Int64).alias("step"))
         .with_columns(pl.col("message").str.strip_chars_end().str.split(" - ").alias("kv"))
         .explode("kv")
+        # key:value splits at the last ':' (values never hold one; a few keys do)
+        .with_columns((pl.col("kv").str.len_chars() - 1 - pl.col("kv").str.reverse().str.find(":", literal=True)).alias("_c"))
         .with_columns(
-            pl.col("kv").str.extract(r"^(.*?):([^:]*)$", 1).alias("key"),
-            pl.col("kv").str.extract(r"^(.*?):([^:]*)$", 2).alias("value_text"),
+            pl.col("kv").str.slice(0, pl.col("_c")).alias("key"),
+            pl.col("kv").str.slice(pl.col("_c") + 1).alias("value_text"),
         )
+        .drop("_c")
         .filter(pl.col("key").is_not_null() & (pl.col("key") != "step"))
         .with_columns(numeric_value(pl.col("value_text")).alias("value"), pl.lit("console").alias("source"))
         .drop("message", "kv")
