@@ -31,5 +31,5 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         "ts_quality": pl.lit("full"),
         "level": normalise_level(g("level")),
         "logger": g("name"),
-    })
+    }, prefilter=pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}"))
     return df, {}

@@ -34,8 +34,8 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
             "ts": _mdy(g("mon"), g("day"), g("time"), g("year")),
             "ts_quality": pl.lit("full"),
             "logger": pl.lit("kernel"),
-        })
-        df = apply_header(df, DMESG, "kernel", {"logger": pl.lit("kernel")})
+        }, prefilter=pl.col("message").str.starts_with("["))
+        df = apply_header(df, DMESG, "kernel", {"logger": pl.lit("kernel")}, prefilter=pl.col("message").str.starts_with("["))
     if msg.str.contains(r"^[A-Z][a-z]{2} +\d").any():
         df = apply_header(df, SYSLOG, "kernel", {
             "ts": _mdy(g("mon"), g("day"), g("time"), pl.lit(str(YEARLESS))),

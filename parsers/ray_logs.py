@@ -53,7 +53,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         "ts_quality": pl.lit("full"),
         "level": normalise_level(g("level")),
         "logger": g("logger"),
-    })
+    }, prefilter=pl.col("message").str.contains("\t", literal=True))
     df = apply_header(df, CPP, "ray_cpp", {
         "ts": parse_ts(g("ts")),
         "ts_quality": pl.lit("full"),
@@ -62,7 +62,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         "pid": coalesce_into("pid", g("pid").cast(pl.Int64)),
         "tid": g("tid").cast(pl.Int64),
         "actor": coalesce_into("actor", g("comp")),
-    })
+    }, prefilter=pl.col("message").str.starts_with("[2"))
     if (df.get_column("_fmt") == "ray_worker").any():
         df = _worker_markers(df, ctx)
     return df, {}
