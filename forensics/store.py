@@ -111,6 +111,18 @@ def view_files() -> list[tuple[str, str]]:
     return out
 
 
+def _schema_fingerprint() -> str:
+    import hashlib
+
+    h = hashlib.sha256(str(SCHEMA_VERSION).encode())
+    for table in all_tables():
+        h.update(ddl(table).encode())
+    for name, sql in view_files():
+        h.update(name.encode())
+        h.update(sql.encode())
+    return h.hexdigest()
+
+
 class StoreLocked(RuntimeError):
     """Another process holds the database open for writing."""
 
@@ -145,7 +157,17 @@ class Store:
 
     # -- schema ---------------------------------------------------------------
     def ensure_schema(self) -> None:
+        """Create or extend the tables, then (re)create the views. Skipped when the
+        database already has this exact schema and these exact views (a fingerprint of
+        the declarations and view files is kept in ``meta``)."""
         con = self.con
+        fingerprint = _schema_fingerprint()
+        try:
+            row = con.execute("SELECT value FROM meta WHERE key = 'schema_fingerprint'").fetchone()
+        except duckdb.CatalogException:
+            row = None
+        if row and row[0] == fingerprint:
+            return
         for table in all_tables():
             con.execute(ddl(table))
             have = {r[0] for r in con.execute(
@@ -153,9 +175,9 @@ class Store:
             for c in table.columns:
                 if c.name not in have:
                     con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{c.name}" {_duck_type(c.type)}')
-        con.execute("DELETE FROM meta WHERE key = 'schema_version'")
-        con.execute("INSERT INTO meta VALUES ('schema_version', ?)", [str(SCHEMA_VERSION)])
         self.create_views()
+        con.execute("DELETE FROM meta WHERE key IN ('schema_version', 'schema_fingerprint')")
+        con.execute("INSERT INTO meta VALUES ('schema_version', ?), ('schema_fingerprint', ?)", [str(SCHEMA_VERSION), fingerprint])
 
     def create_views(self) -> None:
         for name, sql in view_files():
