@@ -28,7 +28,6 @@ PHASES_YAML = SIGNATURES / "phases.yaml"
 PHASES = ("rollout", "reward", "train", "sync", "other")
 SOURCES = ("kineto", "ray", "metrics", "log")
 SOURCE_HASH_KEY = "_phases_yaml_sha256"
-VIEWS_HASH_KEY = "_phase_views_sha256"  # the 6*_phases*.sql files the stored views were made from
 
 
 class PhaseRulesError(ValueError):
@@ -108,27 +107,32 @@ def _view_sql() -> list[tuple[str, str]]:
     return [(name, sql) for name, sql in view_files() if name.startswith("6") and "phases" in name]
 
 
+VERSION_MACRO = "phase_views_version"
+
+
 def _views_sha() -> str:
-    return hashlib.sha256("".join(sql for _, sql in _view_sql()).encode()).hexdigest()
+    """Hash of the phase view files without the line that records it (see ``_ensure_views``)."""
+    text = "".join(sql for _, sql in _view_sql())
+    text = re.sub(rf"CREATE OR REPLACE MACRO {VERSION_MACRO}\(\) AS '[0-9a-f]*';\n?", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _ensure_views(con: duckdb.DuckDBPyConnection, read_only: bool, views_sha: str) -> None:
+def _ensure_views(con: duckdb.DuckDBPyConnection, read_only: bool, views_sha: str, force: bool = False) -> None:
     """A database written by another forensics version may lack the phase views or hold old
     ones. A writable connection (re)creates them; a read-only one gets TEMP views (and TEMP
     shells for the tables no parser declared) that shadow the stored ones."""
     if not _has_main_table(con, "files"):
         return  # not a forensics database: nothing to attach the views to
-    stored = None
-    if _has_main_table(con, "phase_settings"):
-        row = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [VIEWS_HASH_KEY]).fetchall()
-        stored = row[0][0] if row else None
-    have = {r[0] for r in con.execute(
-        "SELECT view_name FROM duckdb_views() WHERE database_name = current_database() AND NOT internal").fetchall()}
-    if stored == views_sha and "phases" in have:
-        return
-    temp = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary").fetchall()}
-    if read_only and "phases" in temp:
-        return  # done earlier on this connection
+    # the SQL files record their own hash in a macro: the views in the database are current
+    # when the macro they made answers the hash of the files this code reads
+    have = {r[0] for r in con.execute("SELECT function_name FROM duckdb_functions() WHERE function_type = 'macro'").fetchall()}
+    if VERSION_MACRO in have and not force:
+        try:
+            current = con.execute(f"SELECT {VERSION_MACRO}()").fetchall()[0][0]
+        except duckdb.Error:  # a macro of that name from elsewhere that takes arguments
+            current = None
+        if current == views_sha:
+            return
     for _, sql in _view_sql():
         for stmt in sql.split(";\n"):
             if "CREATE" not in stmt:
@@ -149,7 +153,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
     views_sha = _views_sha()
     read_only = _read_only(con)
     _ensure_views(con, read_only, views_sha)
-    settings = {**settings, SOURCE_HASH_KEY: sha, VIEWS_HASH_KEY: views_sha}
+    settings = {**settings, SOURCE_HASH_KEY: sha}
     rules_tbl = pl.DataFrame(rows, schema={"priority": pl.Int32, "phase": pl.String, "sub_phase": pl.String,
                                            "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
     settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
@@ -165,9 +169,8 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
             con.unregister("_phase_settings_in")
         return
     if _has_main_table(con, "phase_settings"):
-        have = dict(con.execute("SELECT key, value FROM main.phase_settings WHERE key IN (?, ?)",
-                                [SOURCE_HASH_KEY, VIEWS_HASH_KEY]).fetchall())
-        if have.get(SOURCE_HASH_KEY) == sha and have.get(VIEWS_HASH_KEY) == views_sha:
+        have = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [SOURCE_HASH_KEY]).fetchall()
+        if have and have[0][0] == sha:
             return
     con.register("_phase_rules_in", rules_tbl)
     con.register("_phase_settings_in", settings_tbl)
@@ -235,7 +238,8 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
         for view in reversed(made):
             con.execute(f'DROP TABLE IF EXISTS temp.main."{view}"').fetchall()
         if replaced_temp_views:
-            _ensure_views(con, True, _views_sha())
+            _ensure_views(con, True, _views_sha(), force=True)
+            attach(con)
 
 
 def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
@@ -258,3 +262,19 @@ def timeline(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Every phase span with its wall-clock start and end (see the view ``phase_timeline``)."""
     attach(con)
     return _frame(con, "SELECT * FROM phase_timeline ORDER BY start_us, rank NULLS FIRST")
+
+
+def update_version_line() -> bool:
+    """Rewrite the `phase_views_version` macro in the last phase view file to the files' hash.
+    Returns whether the file changed. (`python -m forensics.phases`; tests check it is current.)"""
+    folder = Path(__file__).resolve().parent / "sql"
+    last = folder / f"{_view_sql()[-1][0]}.sql"
+    text = last.read_text()
+    new = re.sub(rf"(CREATE OR REPLACE MACRO {VERSION_MACRO}\(\) AS ')[0-9a-f]*(';)", rf"\g<1>{_views_sha()}\g<2>", text)
+    if new != text:
+        last.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    print("updated" if update_version_line() else "current")

@@ -11,9 +11,9 @@ Safety: every piece of text that comes from the logs is escaped. HTML is built h
 never assigns log text to ``innerHTML``; hover labels (which plotly renders as a subset of
 HTML) get pre-escaped text.
 
-Size: the timeline draws at most ``MAX_SEGMENTS`` bars. Beyond that, short spans are
-aggregated into time bins (the phase that filled most of each bin is drawn) and the page
-says so, so runs with hundreds of thousands of spans stay responsive.
+Size: the timeline draws at most ``MAX_SEGMENTS`` spans one by one. Beyond that it becomes a
+grid of ``GRID_BINS`` time bins per lane, each showing the phase that filled most of it, and the
+page says so, so runs with hundreds of thousands of spans stay responsive.
 """
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ import polars as pl
 
 from . import phases as ph
 
-MAX_SEGMENTS = 60_000  # bars drawn on the timeline, all lanes together
+MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
+GRID_BINS = 2_000  # time bins per lane when the timeline is aggregated
+MAX_STEP_BARS = 300  # steps drawn as stacked bars; more as a stacked area
 MAX_INVENTORY = 2_000
 MAX_EVIDENCE = 40
 
@@ -169,41 +171,29 @@ def _gpu_lanes(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
         GROUP BY rank, is_nccl, bin""", [t0, width, t0, width, width, t0, width])
 
 
-def _aggregate(spans: pl.DataFrame, budget: int) -> tuple[pl.DataFrame, float]:
-    """Cut the number of bars to ``budget``: spans shorter than a bin width are replaced, per
-    lane and bin, by one bar of the kind that filled most of the bin; equal neighbours merge.
-    Returns (bars, bin width in µs; 0 when nothing was aggregated)."""
-    if spans.height <= budget:
-        return spans, 0.0
-    t0, t1 = spans["start_us"].min(), spans["end_us"].max()
-    lanes = spans["lane"].n_unique()
-    width = max((t1 - t0) * lanes / budget, 1.0)
-    for _ in range(40):
-        dur = pl.col("end_us") - pl.col("start_us")
-        long = spans.filter(dur >= width)
-        short = (
-            spans.filter(dur < width)
-            .with_columns(((pl.col("start_us") - t0) // width).alias("bin"), dur.alias("dur"))
-            .group_by("lane", "bin", "kind").agg(pl.col("dur").sum(), pl.col("step").min(), pl.col("source").first())
-            .sort("dur", descending=True).unique(["lane", "bin"], keep="first")
-            .with_columns((t0 + pl.col("bin") * width).alias("start_us"), (t0 + (pl.col("bin") + 1) * width).alias("end_us"),
-                          pl.lit(None, pl.String).alias("name"), pl.lit(True).alias("approximate"))
-            .select(spans.columns)
-        )
-        bars = pl.concat([long, short], how="vertical_relaxed").sort("lane", "kind", "start_us")
-        # merge touching bars of the same lane and kind
-        bars = (
-            bars.with_columns(pl.col("end_us").cum_max().shift(1).over("lane", "kind").alias("_prev"))
-            .with_columns((pl.col("_prev").is_null() | (pl.col("start_us") > pl.col("_prev") + width * 0.01)).cum_sum().over("lane", "kind").alias("_g"))
-            .group_by("lane", "kind", "_g").agg(
-                pl.col("start_us").min(), pl.col("end_us").max(), pl.col("step").min(), pl.col("name").first(),
-                pl.col("source").first(), pl.col("approximate").any())
-            .drop("_g").select(spans.columns)
-        )
-        if bars.height <= budget:
-            return bars, width
-        width *= 2
-    return bars, width
+def _grid(spans: pl.DataFrame, lanes: list[str], kinds: list[str], t0: float, t1: float, nbins: int) -> tuple[list[str], float]:
+    """Cut the time axis into ``nbins`` bins; per lane and bin, the kind of span that fills most
+    of the bin. Returns one string per lane, one character per bin (``.`` = nothing,
+    ``a`` = ``kinds[0]``, ...), and the bin width in µs."""
+    width = max((t1 - t0) / nbins, 1.0)
+    code = {k: i for i, k in enumerate(kinds)}
+    row = {lane: i for i, lane in enumerate(lanes)}
+    start, end = pl.col("start_us"), pl.col("end_us")
+    df = (
+        spans.select("lane", "kind", "start_us", "end_us")
+        .with_columns(((start - t0) // width).cast(pl.Int64).clip(0, nbins - 1).alias("b0"),
+                      ((end - t0) // width).cast(pl.Int64).clip(0, nbins - 1).alias("b1"))
+        .with_columns(pl.int_ranges("b0", pl.col("b1") + 1).alias("bin")).explode("bin")
+        .with_columns((pl.min_horizontal(end, t0 + (pl.col("bin") + 1) * width)
+                       - pl.max_horizontal(start, t0 + pl.col("bin") * width)).alias("overlap"))
+        .filter(pl.col("overlap") > 0)
+        .group_by("lane", "bin", "kind").agg(pl.col("overlap").sum())
+        .sort("overlap", descending=True).unique(["lane", "bin"], keep="first")
+    )
+    cells = [["."] * nbins for _ in lanes]
+    for lane, b, kind in df.select("lane", "bin", "kind").iter_rows():
+        cells[row[lane]][b] = chr(97 + code[kind])
+    return ["".join(c) for c in cells], width
 
 
 def _lane_order(lanes: list[str]) -> list[str]:
@@ -222,34 +212,49 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
     if spans.is_empty() and not ev_ts:
         return None, info
     t0 = min(([spans["start_us"].min()] if spans.height else []) + ev_ts)
-    bars, width = _aggregate(spans, MAX_SEGMENTS)
-    info.update(segments=bars.height, aggregated=width > 0, bin_s=width / 1e6)
-    lanes = _lane_order(sorted(set(bars["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
+    t1 = max(([spans["end_us"].max()] if spans.height else []) + ev_ts)
+    lanes = _lane_order(sorted(set(spans["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
                                | {f"rank {e['rank']}" for e in evidence if e.get("ts_us") is not None and e.get("rank") is not None}))
     row = {lane: i for i, lane in enumerate(lanes)}
-    exact = bars.height <= EXACT_BARS
     traces: list[dict] = []
-    kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(bars["kind"].to_list())]
-    for kind in kinds:
-        sub = bars.filter(pl.col("kind") == kind).sort("start_us")
-        start = ((sub["start_us"] - t0) / 1e6).round(6).to_list()
-        end = ((sub["end_us"] - t0) / 1e6).round(6).to_list()
-        rows = [row[x] for x in sub["lane"].to_list()]
-        label = {"gpu": "GPU kernels", "nccl": "NCCL kernels"}.get(kind, kind)
-        if exact:
-            text = [
-                esc(f"{label}{' step ' + str(s) if s is not None else ''}{' · ' + n if n else ''} · {(e - b):.4f} s · {src}"
-                    + (" (approximate)" if ap else ""))
-                for s, n, b, e, src, ap in zip(sub["step"].to_list(), sub["name"].to_list(), start, end,
-                                               sub["source"].to_list(), sub["approximate"].to_list())
-            ]
-            traces.append({"type": "bar", "orientation": "h", "name": label, "base": start,
-                           "x": [round(e - b, 6) for b, e in zip(start, end)], "y": rows,
-                           "marker": {"color": PHASE_COLORS[kind]}, "hovertext": text, "hoverinfo": "text",
-                           "width": 0.8})
-        else:
-            traces.append({"type": "scatter", "mode": "lines", "name": label, "_segments": [start, end, rows],
-                           "line": {"color": PHASE_COLORS[kind], "width": 6}, "hoverinfo": "skip"})
+    kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(spans["kind"].to_list())]
+    labels = {"gpu": "GPU kernels", "nccl": "NCCL kernels"}
+    if spans.height > MAX_SEGMENTS:
+        rows, width = _grid(spans, lanes, kinds, t0, t1, GRID_BINS)
+        info.update(segments=GRID_BINS * len(lanes), aggregated=True, bin_s=width / 1e6)
+        n = len(kinds)
+        scale = []
+        for i, k in enumerate(kinds):
+            scale += [[i / n, PHASE_COLORS[k]], [(i + 1) / n, PHASE_COLORS[k]]]
+        traces.append({"type": "heatmap", "_zrows": rows, "x0": round(width / 2e6, 6), "dx": round(width / 1e6, 6),
+                       "y": list(range(len(lanes))), "zmin": -0.5, "zmax": n - 0.5, "colorscale": scale,
+                       "zsmooth": False, "hoverongaps": False, "name": "phases",
+                       "hovertemplate": "%{x:.2f} s<extra></extra>",
+                       "colorbar": {"tickvals": list(range(n)), "ticktext": [labels.get(k, k) for k in kinds],
+                                    "title": {"text": "dominant"}, "thickness": 14}})
+    else:
+        info.update(segments=spans.height)
+        exact = spans.height <= EXACT_BARS
+        for kind in kinds:
+            sub = spans.filter(pl.col("kind") == kind).sort("start_us")
+            start = ((sub["start_us"] - t0) / 1e6).round(6).to_list()
+            end = ((sub["end_us"] - t0) / 1e6).round(6).to_list()
+            rows = [row[x] for x in sub["lane"].to_list()]
+            label = labels.get(kind, kind)
+            if exact:
+                text = [
+                    esc(f"{label}{' step ' + str(s) if s is not None else ''}{' · ' + n if n else ''} · {(e - b):.4f} s · {src}"
+                        + (" (approximate)" if ap else ""))
+                    for s, n, b, e, src, ap in zip(sub["step"].to_list(), sub["name"].to_list(), start, end,
+                                                   sub["source"].to_list(), sub["approximate"].to_list())
+                ]
+                traces.append({"type": "bar", "orientation": "h", "name": label, "base": start,
+                               "x": [round(e - b, 6) for b, e in zip(start, end)], "y": rows,
+                               "marker": {"color": PHASE_COLORS[kind]}, "hovertext": text, "hoverinfo": "text",
+                               "width": 0.8})
+            else:
+                traces.append({"type": "scatter", "mode": "lines", "name": label, "_segments": [start, end, rows],
+                               "line": {"color": PHASE_COLORS[kind], "width": 6}, "hoverinfo": "skip"})
     marks = [e for e in evidence if e.get("ts_us") is not None]
     if marks:
         traces.append({
@@ -290,10 +295,15 @@ def _steps_figure(con: duckdb.DuckDBPyConnection, failure_step: int | None) -> t
     for name, values in series:
         if not any(v and v > 0 for v in values):
             continue
-        traces.append({"type": "bar", "name": name, "x": steps, "y": [round(v or 0, 6) for v in values],
-                       "marker": {"color": PHASE_COLORS[name]},
-                       "hovertext": [esc(f"step {s} · {name} · {v or 0:.3f} s · {src}") for s, v, src in zip(steps, values, sources)],
-                       "hoverinfo": "text"})
+        trace = {"name": name, "x": steps, "y": [round(v or 0, 6) for v in values],
+                 "hovertext": [esc(f"step {s} · {name} · {v or 0:.3f} s · {src}") for s, v, src in zip(steps, values, sources)],
+                 "hoverinfo": "text"}
+        if len(steps) <= MAX_STEP_BARS:
+            trace.update(type="bar", marker={"color": PHASE_COLORS[name]})
+        else:  # thousands of bars render slowly: a stacked area says the same
+            trace.update(type="scatter", mode="lines", stackgroup="phases", line={"width": 0.5, "color": PHASE_COLORS[name]},
+                         fillcolor=PHASE_COLORS[name])
+        traces.append(trace)
     shapes = _failure_shapes(failure_step)
     layout = {"barmode": "stack", "height": 360, "margin": {"l": 60, "r": 20, "t": 30, "b": 50},
               "xaxis": {"title": {"text": "step"}}, "yaxis": {"title": {"text": "seconds"}},
@@ -380,6 +390,14 @@ RENDER_JS = """
   var config = {responsive: true, displaylogo: false, scrollZoom: true};
   function expand(fig){
     fig.data.forEach(function(t){
+      if(t._zrows){
+        t.z = t._zrows.map(function(r){
+          var out = new Array(r.length);
+          for(var i=0;i<r.length;i++){var c=r.charCodeAt(i); out[i] = c === 46 ? null : c - 97;}
+          return out;
+        });
+        delete t._zrows;
+      }
       if(!t._segments){return;}
       var s=t._segments[0], e=t._segments[1], r=t._segments[2], n=s.length;
       var x=new Array(3*n), y=new Array(3*n);
@@ -393,8 +411,10 @@ RENDER_JS = """
     var fig = data.figures[k], div = document.getElementById('plot-' + k);
     if(!fig || !div){return;}
     pending++;
+    var t0 = performance.now();
     Plotly.newPlot(div, expand(fig).data, fig.layout, config).then(function(){
       div.setAttribute('data-rendered', '1');
+      div.setAttribute('data-render-ms', String(Math.round(performance.now() - t0)));
       pending--;
       if(pending === 0){document.body.setAttribute('data-report-ready', '1');}
     });
@@ -540,9 +560,10 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
         metrics_fig = _metrics_figure(con, failure_step)
         inventory = _inventory_html(con)
     if tinfo["aggregated"]:
-        notes.append(f"The timeline has {tinfo['spans']:,} spans and GPU intervals; to stay responsive it draws "
-                     f"{tinfo['segments']:,} bars: spans shorter than {tinfo['bin_s']:.3g} s are aggregated into bins of that "
-                     "width (each bin shows the phase that filled most of it). Query `phase_timeline` for every span.")
+        notes.append(f"The timeline has {tinfo['spans']:,} spans and GPU intervals; to stay responsive it shows them "
+                     f"aggregated into bins of {tinfo['bin_s']:.3g} s per lane, each bin colored by the phase (or GPU "
+                     "activity) that filled most of it; zooming in does not show finer detail. Query `phase_timeline` "
+                     "and `phase_gpu_events` for every span.")
     data = {"figures": {"timeline": timeline, "steps": steps_fig, "metrics": metrics_fig}}
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     db_name = con.execute("SELECT current_database()").fetchall()[0][0]
@@ -584,6 +605,7 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
     if not os.path.exists(db):
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
     con = duckdb.connect(str(db), read_only=True)
+    con.execute("SET enable_progress_bar = false").fetchall()
     try:
         return write_report_con(con, out, title or f"forensics post-mortem: {Path(db).name}")
     finally:

@@ -7,6 +7,7 @@ depend on the trace parsers; the corpus tests at the end use the real parsers.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -94,6 +95,12 @@ def test_rules_load_and_map_names():
     assert got == {"gen": "rollout/generate", "Update_Actor": "train/actor", "compute_ref_log_prob": "rollout/logprob",
                    "update_weights": "sync/weights", "save_checkpoint": "other/checkpoint"}
     assert con.execute("SELECT phase_setting('step_metric')").fetchall()[0][0] == "step"
+
+
+def test_views_version_is_current():
+    last = Path(ph.__file__).parent / "sql" / f"{ph._view_sql()[-1][0]}.sql"
+    m = re.search(r"CREATE OR REPLACE MACRO phase_views_version\(\) AS '([0-9a-f]*)'", last.read_text())
+    assert m and m.group(1) == ph._views_sha(), "the phase view files changed: run `python -m forensics.phases`"
 
 
 def test_bad_rules_are_refused(tmp_path):
@@ -344,7 +351,7 @@ def test_read_only_database_with_stale_views(straggler_db):
     con = duckdb.connect(str(straggler_db))
     con.execute("DROP VIEW phases").fetchall()
     con.execute("CREATE OR REPLACE VIEW phase_steps AS SELECT 1 AS stale").fetchall()
-    con.execute("DELETE FROM phase_settings WHERE key = ?", [ph.VIEWS_HASH_KEY]).fetchall()
+    con.execute("CREATE OR REPLACE MACRO phase_views_version() AS 'older'").fetchall()
     con.close()
     with Run(straggler_db) as run:  # read-only
         steps = run.phase_steps()

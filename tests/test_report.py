@@ -104,26 +104,40 @@ def test_report_without_diagnose_module_lists_error_lines(tmp_path, monkeypatch)
     assert embedded_data(page)["figures"]["steps"] is not None
 
 
-def test_large_timelines_are_aggregated():
+def test_large_timelines_become_a_grid():
     n = 200_000
     spans = pl.DataFrame({
         "lane": [f"rank {i % 64}" for i in range(n)],
-        "kind": ["rollout", "train", "sync", "idle"] * (n // 4),
-        "step": [i // 256 for i in range(n)],
-        "name": [None] * n,
+        "kind": [["rollout", "train", "sync", "idle"][(i // 64) % 4] for i in range(n)],
         "start_us": [float(i // 64) * 250.0 for i in range(n)],
-        "end_us": [float(i // 64) * 250.0 + 200.0 for i in range(n)],
-        "source": ["kineto"] * n,
-        "approximate": [False] * n,
+        "end_us": [float(i // 64) * 250.0 + 240.0 for i in range(n)],
     })
-    bars, width = rp._aggregate(spans, 20_000)
-    assert width > 0 and bars.height <= 20_000
-    assert set(bars["lane"].to_list()) == set(spans["lane"].to_list())
-    assert set(bars["kind"].to_list()) <= {"rollout", "train", "sync", "idle"}
-    assert bars["start_us"].min() >= spans["start_us"].min() and bars["end_us"].max() <= spans["end_us"].max() + width
-    small = spans.head(100)
-    same, w = rp._aggregate(small, 20_000)
-    assert w == 0 and same.equals(small)
+    lanes = [f"rank {i}" for i in range(64)] + ["rank 99"]
+    kinds = ["rollout", "train", "sync", "idle"]
+    rows, width = rp._grid(spans, lanes, kinds, 0.0, spans["end_us"].max(), 1000)
+    assert len(rows) == 65 and all(len(r) == 1000 for r in rows)
+    assert width == pytest.approx(spans["end_us"].max() / 1000)
+    assert rows[-1] == "." * 1000  # a lane with nothing (an evidence-only lane)
+    # each bin spans ~3 cycles of the 4 kinds, 250 µs each: the dominant one wins, never a gap
+    assert set(rows[0]) <= set("abcd") and len(set(rows[0])) > 1
+    # one long span covering everything wins every bin of its lane
+    long = pl.DataFrame({"lane": ["rank 0"], "kind": ["sync"], "start_us": [0.0], "end_us": [spans["end_us"].max()]})
+    rows, _ = rp._grid(long, ["rank 0"], kinds, 0.0, spans["end_us"].max(), 100)
+    assert rows == ["c" * 100]
+
+
+def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch):
+    db = build_db(tmp_path, "phase_straggler")
+    monkeypatch.setattr(rp, "MAX_SEGMENTS", 10)
+    monkeypatch.setattr(rp, "MAX_STEP_BARS", 2)
+    out = tmp_path / "big.html"
+    result = rp.write_report(db, out)
+    page = out.read_text()
+    assert result.aggregated and "aggregated into bins" in page
+    figs = embedded_data(page)["figures"]
+    heat = [t for t in figs["timeline"]["data"] if t["type"] == "heatmap"]
+    assert len(heat) == 1 and len(heat[0]["_zrows"]) == len(figs["timeline"]["layout"]["yaxis"]["ticktext"])
+    assert {t["type"] for t in figs["steps"]["data"]} == {"scatter"}  # stacked area, not thousands of bars
 
 
 def test_cli_report(tmp_path):

@@ -72,3 +72,21 @@ def test_report_renders_and_log_markup_stays_text(browser, tmp_path, monkeypatch
         assert seconds < 15
     finally:
         page.close()
+
+
+def test_aggregated_report_renders(browser, tmp_path, monkeypatch):
+    """The large-run layout (time-bin grid, stacked area per step) renders too."""
+    db = xss_db(tmp_path)
+    crafted_diagnosis(monkeypatch)
+    monkeypatch.setattr(rp, "MAX_SEGMENTS", 10)
+    monkeypatch.setattr(rp, "MAX_STEP_BARS", 2)
+    out = tmp_path / "big.html"
+    rp.write_report(db, out)
+    page, errors, requests, _ = open_report(browser, out)
+    try:
+        assert errors == [] and requests == []
+        assert page.locator("#plot-timeline .heatmaplayer image, #plot-timeline .hm image").count() == 1
+        assert page.locator("#plot-steps .scatterlayer .js-fill").count() >= 3
+        assert page.evaluate("window.__pwned === undefined")
+    finally:
+        page.close()
