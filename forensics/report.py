@@ -106,7 +106,12 @@ def _diagnosis(con: duckdb.DuckDBPyConnection) -> tuple[dict | None, str | None]
 
 
 def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[dict]:
-    """Add ts (µs since epoch), rank and step to evidence items by looking up their line."""
+    """Add ts (µs since epoch), rank and ``ts_approx`` to evidence items by looking up their line.
+
+    A line without a stamp of its own only inherits the previous stamp of its file (a
+    traceback in a `.err` file may inherit the first line's start-up stamp); its time is then
+    estimated as the last stamped line of the files that carry the same rank's lines, when
+    later, and marked approximate."""
     if not items:
         return []
     keys = pl.DataFrame({"i": list(range(len(items))), "path": [str(e.get("file")) for e in items],
@@ -114,16 +119,29 @@ def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[
     con.register("_ev_keys", keys.to_arrow())
     try:
         found = _q(con, """
-            SELECT k.i, epoch_us(l.ts)::DOUBLE AS ts_us, l.rank, l.ts_quality
-            FROM _ev_keys k JOIN files f ON f.path = k.path
-            JOIN lines l ON l.file_id = f.file_id AND l.line_no = k.line_no""")
+            WITH ev AS (
+                SELECT k.i, l.ts, l.rank, l.ts_quality
+                FROM _ev_keys k JOIN files f ON f.path = k.path
+                JOIN lines l ON l.file_id = f.file_id AND l.line_no = k.line_no
+            ), rank_files AS (  -- files that carry lines of the rank
+                SELECT DISTINCT file_id, rank FROM lines
+                WHERE rank IN (SELECT rank FROM ev WHERE ts_quality = 'inherited')
+            ), last_stamp AS (
+                SELECT r.rank, max(l.ts) AS ts FROM rank_files r JOIN lines l USING (file_id)
+                WHERE l.ts_quality <> 'inherited'
+                GROUP BY r.rank
+            )
+            SELECT ev.i, ev.rank, ev.ts_quality = 'inherited' AS ts_approx,
+                   epoch_us(CASE WHEN ev.ts_quality = 'inherited' THEN greatest(ev.ts, coalesce(s.ts, ev.ts)) ELSE ev.ts END)::DOUBLE AS ts_us
+            FROM ev LEFT JOIN last_stamp s ON s.rank = ev.rank""")
     finally:
         con.unregister("_ev_keys")
     by_i = {r["i"]: r for r in found.iter_rows(named=True)}
     out = []
     for i, e in enumerate(items):
         r = by_i.get(i, {})
-        out.append({**e, "ts_us": r.get("ts_us"), "rank": r.get("rank") if r.get("rank") is not None else e.get("rank")})
+        out.append({**e, "ts_us": r.get("ts_us"), "ts_approx": bool(r.get("ts_approx")),
+                    "rank": r.get("rank") if r.get("rank") is not None else e.get("rank")})
     return out
 
 
@@ -261,8 +279,10 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
             "type": "scatter", "mode": "markers", "name": "evidence",
             "x": [round((e["ts_us"] - t0) / 1e6, 6) for e in marks],
             "y": [row["run" if e.get("rank") is None else f"rank {e['rank']}"] for e in marks],
-            "marker": {"symbol": "x", "size": 12, "color": "#D62728", "line": {"width": 2}},
-            "hovertext": [esc(f"{e.get('file')}:{e.get('line')}: {str(e.get('text') or '')[:300]}") for e in marks],
+            "marker": {"symbol": ["x-open" if e.get("ts_approx") else "x" for e in marks], "size": 12, "color": "#D62728",
+                       "line": {"width": 2}},
+            "hovertext": [esc(f"{e.get('file')}:{e.get('line')}: {str(e.get('text') or '')[:300]}"
+                              + (" (time estimated: the line has no time stamp)" if e.get("ts_approx") else "")) for e in marks],
             "hoverinfo": "text",
         })
     height = min(max(260, 60 + 22 * len(lanes)), 2400)
@@ -472,7 +492,8 @@ def _card_html(diag: dict | None, note: str | None, evidence: list[dict]) -> str
 def _evidence_list(evidence: list[dict]) -> str:
     rows = []
     for e in evidence[:MAX_EVIDENCE]:
-        when = f" · {esc(_iso(e['ts_us']))}" if e.get("ts_us") is not None else ""
+        when = (f" · {'about ' if e.get('ts_approx') else ''}{esc(_iso(e['ts_us']))}"
+                if e.get("ts_us") is not None else "")
         rank = f" · rank {esc(e['rank'])}" if e.get("rank") is not None else ""
         rows.append(f'<li><span class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}{when}{rank}</span>'
                     f'<pre class="line">{esc(e.get("text"))}</pre></li>')
@@ -577,7 +598,8 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
         "".join(f'<p class="note">{esc(n)}</p>' for n in notes if not n.startswith("diagnosis")),
         '<div id="plot-timeline"></div>' if timeline else '<p class="note">No phase spans: no profiler trace, Ray timeline, '
         "marker lines or timed metrics with time stamps.</p>",
-        '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines.</p></section>',
+        '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines (open crosses: lines without '
+        'a time stamp of their own, placed at the last stamped line of that rank\'s files).</p></section>',
         '<section id="steps"><h2>Phases per step</h2>',
         '<div id="plot-steps"></div>' if steps_fig else '<p class="note">No per-step phase figures.</p>',
         "</section>",
