@@ -39,7 +39,11 @@ import pyarrow as pa
 from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
 
 MAX_BYTES = 1 << 30  # a dump larger than this is not read
-MAX_NODES = 5_000_000  # values converted per dump (guards against shared-reference blow-up)
+# Values converted per dump: a plain pickle holds about one value per byte, a few per byte
+# where it shares references (torch shares the frame dicts of its entries). A small file
+# that expands into far more is a shared-reference bomb.
+NODES_PER_BYTE = 16
+MIN_NODES = 100_000
 MAX_DEPTH = 64
 
 _RANK = col("rank", pa.int32(), "Rank that wrote the dump (from the path, else the digits ending the file name).")
@@ -187,7 +191,7 @@ def parse_dump(stream: BinaryIO, ctx: FileContext) -> ParseOutput:
             status = "unexpected"
         yield "fr_dumps", pl.DataFrame([{**dump, "status": status}])
         return
-    yield from _tables(obj, partial, dump, status, ctx)
+    yield from _tables(obj, partial, dump, status, ctx, MIN_NODES + NODES_PER_BYTE * len(data))
 
 
 def _is_truncation(exc: BaseException, data: bytes) -> bool:
@@ -197,8 +201,8 @@ def _is_truncation(exc: BaseException, data: bytes) -> bool:
     return "truncated" in text or "ran out of input" in text.lower() or (len(data) < 2)
 
 
-def _tables(obj: dict, partial: set[int], dump: dict, status: str, ctx: FileContext) -> ParseOutput:
-    budget = [MAX_NODES]
+def _tables(obj: dict, partial: set[int], dump: dict, status: str, ctx: FileContext, max_nodes: int) -> ParseOutput:
+    budget = [max_nodes]
     raw_entries = obj.get("entries") or []
     entries = [e for e in raw_entries if isinstance(e, dict) and id(e) not in partial]
     dropped_partial = sum(1 for e in raw_entries if isinstance(e, dict) and id(e) in partial)
@@ -369,7 +373,7 @@ def _plain(value: Any, budget: list[int], depth: int = 0) -> Any:
     """A JSON-able copy of a plain value, within the node and depth budget."""
     budget[0] -= 1
     if budget[0] < 0:
-        raise _TooBig(f"more than {MAX_NODES} values")
+        raise _TooBig("it expands into far more values than its size allows (shared references)")
     if depth > MAX_DEPTH:
         raise _TooBig(f"nested deeper than {MAX_DEPTH} levels")
     if value is None or isinstance(value, (bool, int, float, str)):

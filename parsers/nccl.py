@@ -157,7 +157,7 @@ _COMM = (
 _COMM_EVENT = r"- (Init|Abort|Destroy) (START|COMPLETE)\s*$"
 _COLL = (
     r"^(?P<op>[A-Za-z]+): opCount (?P<opc>[0-9a-fA-F]+) sendbuff (?P<sb>\S+) recvbuff (?P<rb>\S+) count (?P<cnt>\d+) "
-    r"datatype (?P<dt>\d+) op (?P<redop>\d+) root (?P<root>-?\d+) comm (?P<comm>\S+)"
+    r"datatype (?P<dt>\d+) op (?P<redop>\d+) root (?P<root>-?\d+)(?: \S+ \S+)*? comm (?P<comm>\S+)"
     r"(?: \[nranks=(?P<nr>\d+)\])?(?: stream (?P<stream>\S+))?"
 )
 _RC = r"^(?P<src>[\w./-]+\.(?:cc|cu|cpp|c|h|hpp):\d+) -> (?P<rc>\d+)(?: \[(?P<tag>[^\]]+)\])?\s*$"
@@ -176,12 +176,15 @@ _TOPOLOGY = [
     ("net", "NET", r"^(?P<x>NET/|Failed to initialize NET|Initialized NET|Assigned NET)"),
 ]
 
+# how every topology line starts (anchored: cheap on the mass of other NCCL lines)
+_TOPOLOGY_START = r"^(?:Channel |Trees |Bootstrap|NET/|Using network|Connected all|\d+ coll channels|Failed to initialize NET|Initialized NET|Assigned NET)"
+
 
 def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     if not df.get_column("message").str.contains("NCCL", literal=True).any():
         return df, {}
     df = df.with_columns(pl.lit(None, pl.String).alias("_host"), pl.lit(None, pl.String).alias("_dev"))
-    df = apply_header(df, HEADER, "nccl", {
+    df = apply_header(df, HEADER, "nccl", prefilter=pl.col("message").str.contains(" NCCL ", literal=True), fields={
         "ts": parse_ts(g("ts")),
         "ts_quality": pl.when(g("ts").is_not_null()).then(pl.lit("full")),
         "level": normalise_level(g("level")),
@@ -237,7 +240,8 @@ def _field(m: pl.Series, name: str, dtype=None) -> pl.Series:
 
 
 def _comms(sub: pl.DataFrame) -> pl.DataFrame:
-    rows, m = _matching(sub, "comm ", _COMM)
+    starts = pl.col("message").str.starts_with("comm ") | pl.col("message").str.starts_with("nccl")
+    rows, m = _matching(sub.filter(starts), "comm ", _COMM)
     if rows.is_empty():
         return NCCL_COMMS.empty()
     msg = rows.get_column("message")
@@ -312,7 +316,11 @@ def _topology(sub: pl.DataFrame) -> pl.DataFrame | None:
     frames = []
     # a line is claimed by the first pattern that matches it (frames hold many files:
     # a line is identified by file and line number)
-    sub = sub.with_columns((pl.col("file_id").cast(pl.Int64) * (1 << 40) + pl.col("line_no")).alias("_key"))
+    sub = sub.filter(pl.col("message").str.contains(_TOPOLOGY_START)).with_columns(
+        (pl.col("file_id").cast(pl.Int64) * (1 << 40) + pl.col("line_no")).alias("_key")
+    )
+    if sub.is_empty():
+        return None
     taken = pl.Series("_key", [], dtype=pl.Int64)
     base = ["file_id", "line_no", "ts", "node", "host", "pid", "rank"]
     for kind, literal, pattern in _TOPOLOGY:
@@ -409,22 +417,57 @@ def _errors(sub: pl.DataFrame) -> pl.DataFrame | None:
     ).drop("_warn", "_trc", "logger").sort("line_no")
 
 
+# COLL lines print `<Op>: opCount %lx sendbuff %p recvbuff %p count %zu datatype %d op %d
+# root %d comm %p [nranks=%d] stream %p`: the words sit at fixed places, so a split reads
+# them far cheaper than a regex; lines laid out otherwise go through ``_COLL``.
+_COLL_WORDS = {1: "opCount", 3: "sendbuff", 5: "recvbuff", 7: "count", 9: "datatype", 11: "op", 13: "root", 15: "comm"}
+_COLL_FIELDS = {"op": 0, "opc": 2, "sb": 4, "rb": 6, "cnt": 8, "dt": 10, "redop": 12, "root": 14, "comm": 16}
+
+
+def _coll_fields(rows: pl.DataFrame) -> pl.DataFrame:
+    """The COLL fields of ``rows`` (named as the groups of ``_COLL``), in row order."""
+    words = rows.select(pl.col("message").str.split(" ").alias("w"))
+    word = lambda i: pl.col("w").list.get(i, null_on_oob=True)  # noqa: E731
+    fixed = pl.all_horizontal([word(i) == name for i, name in _COLL_WORDS.items()] + [word(0).str.ends_with(":")])
+    after = word(17)
+    fields = words.select(
+        fixed.fill_null(False).alias("_fixed"),
+        *[word(i).alias(name) for name, i in _COLL_FIELDS.items()],
+        pl.when(after.str.starts_with("[nranks=")).then(after.str.slice(8).str.strip_suffix("]")).alias("nr"),
+        pl.when(after == "stream").then(word(18)).when(word(18) == "stream").then(word(19)).alias("stream"),
+    ).with_columns(pl.col("op").str.strip_suffix(":"))
+    if fields.get_column("_fixed").all():
+        return fields.drop("_fixed")
+    other = fields.get_column("_fixed").not_()
+    m = rows.filter(other).get_column("message").str.extract_groups(_COLL).struct.unnest()
+    idx = pl.arg_where(other, eager=True)
+    fields = fields.drop("_fixed")
+    return fields.with_columns(
+        fields.get_column(c).scatter(idx, m.get_column(c).cast(pl.String)) for c in fields.columns
+    )
+
+
 def _colls(sub: pl.DataFrame, comms: pl.DataFrame) -> pl.DataFrame | None:
-    rows, m = _matching(sub, "opCount", _COLL)
+    cand = sub.filter(pl.col("message").str.contains(": opCount ", literal=True))
+    if cand.is_empty():
+        return None
+    f = _coll_fields(cand)
+    keep = f.get_column("op").is_not_null() & f.get_column("comm").is_not_null()
+    rows, f = cand.filter(keep), f.filter(keep)
     if rows.is_empty():
         return None
     out = rows.select("file_id", "line_no", "ts", "node", "host", "pid", "tid", "rank").with_columns(
-        _field(m, "op").alias("op"),
-        _field(m, "opc").str.to_integer(base=16, strict=False).alias("op_count"),
-        _field(m, "sb").alias("sendbuff"),
-        _field(m, "rb").alias("recvbuff"),
-        _field(m, "cnt", pl.Int64).alias("count"),
-        _field(m, "dt", pl.Int32).alias("datatype"),
-        _field(m, "redop", pl.Int32).alias("_redop"),
-        _field(m, "root", pl.Int32).alias("root"),
-        _field(m, "comm").alias("comm"),
-        _field(m, "nr", pl.Int32).alias("nranks"),
-        _field(m, "stream").alias("stream"),
+        f.get_column("op").alias("op"),
+        f.get_column("opc").str.to_integer(base=16, strict=False).alias("op_count"),
+        f.get_column("sb").alias("sendbuff"),
+        f.get_column("rb").alias("recvbuff"),
+        f.get_column("cnt").cast(pl.Int64, strict=False).alias("count"),
+        f.get_column("dt").cast(pl.Int32, strict=False).alias("datatype"),
+        f.get_column("redop").cast(pl.Int32, strict=False).alias("_redop"),
+        f.get_column("root").cast(pl.Int32, strict=False).alias("root"),
+        f.get_column("comm").alias("comm"),
+        f.get_column("nr").cast(pl.Int32, strict=False).alias("nranks"),
+        f.get_column("stream").alias("stream"),
     ).with_columns(
         pl.col("datatype").replace_strict(DTYPES, default=None, return_dtype=pl.String).alias("dtype"),
         pl.col("_redop").replace_strict(REDOPS, default=pl.col("_redop").cast(pl.String), return_dtype=pl.String).alias("redop"),
