@@ -10,7 +10,7 @@ rank (profilers usually cover a few steps); timing metrics and step marker lines
 Targets: report written in < 5 s, HTML < 15 MB, page interactive in the browser in < 3 s
 (navigation to load + every plot rendered, measured with headless Chromium when available).
 
-    python bench/bench_report.py [--steps 1000] [--ranks 64] [--keep DIR]
+    python bench/bench_report.py [--steps 1000] [--ranks 64] [--keep DIR [--reuse]]
 """
 from __future__ import annotations
 
@@ -148,21 +148,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--keep", help="keep the database and report in this folder")
+    ap.add_argument("--reuse", action="store_true", help="with --keep: use the database built by an earlier run")
     a = ap.parse_args(argv)
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="bench-report-"))
     work.mkdir(parents=True, exist_ok=True)
     db = work / "bench.duckdb"
-    for p in (db, work / "real.duckdb"):
-        if p.exists():
-            p.unlink()
+    reuse = a.reuse and a.keep and db.exists()
+    if not reuse:
+        for p in (db, work / "real.duckdb"):
+            if p.exists():
+                p.unlink()
     try:
-        t = time.perf_counter()
-        counts = build(db, a.steps, a.ranks, work)
-        print(f"built {a.steps} steps x {a.ranks} ranks in {time.perf_counter() - t:.1f} s: {counts}")
+        if not reuse:
+            t = time.perf_counter()
+            counts = build(db, a.steps, a.ranks, work)
+            print(f"built {a.steps} steps x {a.ranks} ranks in {time.perf_counter() - t:.1f} s: {counts}")
+        Store(db).close()  # views of this checkout
         out = work / "report.html"
         r = report.write_report(db, out)
-        print(f"report: {r.seconds:.2f} s, {r.bytes / 1e6:.1f} MB, {r.spans:,} spans -> {r.segments:,} bars"
-              f"{' (aggregated)' if r.aggregated else ''}")
+        print(f"report: {r.seconds:.2f} s, {r.bytes / 1e6:.1f} MB, {r.spans:,} spans -> "
+              f"{f'{r.segments:,} grid cells (aggregated)' if r.aggregated else f'{r.segments:,} bars'}")
         tti = browser_time(out)
         print(f"browser: {'n/a (no chromium/playwright)' if tti is None else f'{tti:.2f} s to interactive'}")
         ok = r.seconds < 5 and r.bytes < 15e6 and (tti is None or tti < 3)

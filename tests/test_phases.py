@@ -162,13 +162,18 @@ def test_kineto_phases_add_up_to_the_step(straggler_db):
         r1 = steps.filter(pl.col("rank") == 1).to_dicts()[0]
         assert r0["wait_s"] == pytest.approx(0.39, abs=1e-6) and r1["wait_s"] == pytest.approx(0.0, abs=1e-6)
         assert r1["late_s"] == pytest.approx(0.39, abs=1e-6) and r0["late_s"] == pytest.approx(0.0, abs=1e-6)
-        assert r0["nccl_s"] == pytest.approx(0.41, abs=1e-6)
-        assert r0["kernel_s"] == pytest.approx(0.34 + 0.04 + 0.03 + 0.002, abs=1e-6)
+        gpu_phase = {(r["rank"], r["step"], r["phase"]): r for r in run.sql("SELECT * FROM phase_gpu").to_dicts()}
+        assert gpu_phase[(0, 2, "train")]["nccl_s"] == pytest.approx(0.40, abs=1e-6)
+        assert gpu_phase[(0, 2, "train")]["kernel_s"] == pytest.approx(0.04 + 0.03, abs=1e-6)
+        assert gpu_phase[(0, 2, "sync")]["nccl_s"] == pytest.approx(0.01, abs=1e-6)
+        assert gpu_phase[(1, 2, "rollout")]["kernel_s"] == pytest.approx(0.34, abs=1e-6)
         # GPU: busy = union of the streams' events (NCCL overlaps the backward on rank 1), idle = the rest
         gpu = {(r["rank"], r["step"]): r for r in run.sql("SELECT * FROM phase_gpu_steps").to_dicts()}
         assert len(gpu) == 4
         for g in gpu.values():
             assert g["gpu_busy_s"] + g["gpu_idle_s"] == pytest.approx(g["step_s"], abs=1e-6)
+        assert gpu[(0, 2)]["nccl_s"] == pytest.approx(0.41, abs=1e-6)
+        assert gpu[(0, 2)]["kernel_s"] == pytest.approx(0.34 + 0.04 + 0.03 + 0.002, abs=1e-6)
         assert gpu[(0, 2)]["gpu_busy_s"] == pytest.approx(0.34 + 0.04 + 0.40 + 0.03 + 0.002 + 0.01, abs=1e-6)
         assert gpu[(1, 2)]["gpu_busy_s"] == pytest.approx(0.34 + 0.43 + 0.01 + 0.03 + 0.002 + 0.01, abs=1e-6)
 

@@ -5,7 +5,8 @@
 -- first; each (rank, step) takes all its figures from the best source that covers it:
 --   1. `kineto`: PyTorch profiler traces. The step is the `ProfilerStep` span; phases are the
 --      user annotations (gen, update_actor, ...); `idle` is the part of the step no phase
---      annotation covers. GPU figures (`kernel_s`, `nccl_s`, `wait_s`) come with them.
+--      annotation covers. Collective waits (`wait_s`) come with them; GPU time per phase is in
+--      `phase_gpu`, per step in `phase_gpu_steps`.
 --   2. `ray`: Ray timeline task spans per worker; the step window comes from marker lines.
 --   3. `metrics` / `metrics+engine`: verl `timing_s/*` per step (run-level: `rank IS NULL`);
 --      `idle` = `timing_s/step` minus the phases it contains. When a step has no sync metric
@@ -14,7 +15,7 @@
 --   4. `log`: phase start/end marker lines.
 -- `rank IS NULL` rows describe the run as a whole (the driver's timers).
 --
--- * `phases(rank, step, phase, sub_phase, seconds, source, step_s, in_step, kernel_s, nccl_s, wait_s)`:
+-- * `phases(rank, step, phase, sub_phase, seconds, source, step_s, in_step, wait_s)`:
 --   one row per phase and sub-phase (phase `idle` included). `step_s` = the step time the
 --   source measured; `in_step = false` marks time measured outside it (verl runs validation
 --   and checkpoint saving after its step timer), so per (rank, step)
@@ -22,9 +23,9 @@
 --   `wait_s`: of `seconds`, the time spent in collectives waiting for the last rank.
 -- * `phase_steps`: the same, one row per (rank, step): `rollout_s` (incl. `logprob_s`),
 --   `reward_s`, `train_s`, `sync_s`, `other_s`, `idle_s`, `outside_s` (the not-in-step part
---   of `other_s`), `step_s`, `wait_s`, and for traces `kernel_s`, `nccl_s` (GPU time launched in
---   the step) and `late_s` (how much later than the first rank this rank reached its
---   collectives, summed). GPU busy/idle time per step: `phase_gpu_steps`.
+--   of `other_s`), `step_s`, `wait_s`, and for traces `late_s` (how much later than the first
+--   rank this rank reached its collectives, summed). GPU busy/idle/kernel/NCCL time per step:
+--   `phase_gpu_steps`.
 -- * `phase_run_steps`: one row per step for the run: the run-level row when it comes from the
 --   driver's timing metrics (or nothing else covers the step), else the mean over the ranks
 --   (`source` says which, `ranks` how many).
@@ -43,12 +44,6 @@ WITH seg AS (
 ), kin_base AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(s.seconds) AS seconds
     FROM seg s GROUP BY s.rank, s.step, s.phase, s.sub_phase
-), kin_gpu AS (
-    SELECT s.rank, s.step, s.phase, s.sub_phase,
-           sum(g.seconds) FILTER (WHERE NOT g.is_nccl) AS kernel_s, sum(g.seconds) FILTER (WHERE g.is_nccl) AS nccl_s
-    FROM phase_gpu_events g ASOF JOIN seg s ON g.file_id = s.file_id AND g.start_us >= s.start_us
-    WHERE g.start_us < s.end_us
-    GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_wait AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(m.wait_s) AS wait_s
     FROM phase_collective_matches m ASOF JOIN seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
@@ -57,11 +52,9 @@ WITH seg AS (
     SELECT rank, step, sum(step_s) AS step_s FROM phase_profiler_steps GROUP BY rank, step
 ), kin AS (
     SELECT b.rank, b.step, b.phase, b.sub_phase, b.seconds, 'kineto' AS source, k.step_s, true AS in_step,
-           coalesce(g.kernel_s, 0) AS kernel_s, coalesce(g.nccl_s, 0) AS nccl_s, w.wait_s
+           coalesce(w.wait_s, 0) AS wait_s
     FROM kin_base b
     JOIN kin_step k ON k.rank IS NOT DISTINCT FROM b.rank AND k.step = b.step
-    LEFT JOIN kin_gpu g ON g.rank IS NOT DISTINCT FROM b.rank AND g.step = b.step AND g.phase = b.phase
-         AND g.sub_phase IS NOT DISTINCT FROM b.sub_phase
     LEFT JOIN kin_wait w ON w.rank IS NOT DISTINCT FROM b.rank AND w.step = b.step AND w.phase = b.phase
          AND w.sub_phase IS NOT DISTINCT FROM b.sub_phase
 ), win AS (
@@ -142,11 +135,11 @@ WITH seg AS (
            sum(o.seconds) OVER (PARTITION BY o.rank, o.step, o.source) AS step_s, o.in_step
     FROM others o
 ), all_rows AS (
-    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, kernel_s, nccl_s, wait_s FROM kin
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, wait_s FROM kin
     UNION ALL
-    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL, NULL, NULL FROM others_tot
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL FROM others_tot
     UNION ALL
-    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL, NULL, NULL FROM metr
+    SELECT rank, step, phase, sub_phase, seconds, source, step_s, in_step, NULL FROM metr
 ), ranked AS (
     SELECT *, CASE WHEN source = 'kineto' THEN 1 WHEN source = 'ray' THEN 2
                    WHEN source LIKE 'metrics%' THEN 3 ELSE 4 END AS pref
@@ -154,7 +147,7 @@ WITH seg AS (
 ), best AS (
     SELECT rank, step, min(pref) AS pref FROM ranked GROUP BY rank, step
 )
-SELECT r.rank, r.step, r.phase, r.sub_phase, r.seconds, r.source, r.step_s, r.in_step, r.kernel_s, r.nccl_s, r.wait_s
+SELECT r.rank, r.step, r.phase, r.sub_phase, r.seconds, r.source, r.step_s, r.in_step, r.wait_s
 FROM ranked r JOIN best b ON b.rank IS NOT DISTINCT FROM r.rank AND b.step = r.step AND b.pref = r.pref;
 
 CREATE OR REPLACE VIEW phase_steps AS
@@ -168,7 +161,7 @@ WITH p AS (
            coalesce(sum(seconds) FILTER (WHERE phase = 'other'), 0) AS other_s,
            coalesce(sum(seconds) FILTER (WHERE phase = 'idle'), 0) AS idle_s,
            coalesce(sum(seconds) FILTER (WHERE NOT in_step), 0) AS outside_s,
-           sum(wait_s) AS wait_s, sum(kernel_s) AS kernel_s, sum(nccl_s) AS nccl_s
+           sum(wait_s) AS wait_s
     FROM phases GROUP BY rank, step
 ), c AS (
     SELECT rank, step, sum(late_s) AS late_s FROM phase_collective_matches GROUP BY rank, step
@@ -237,4 +230,4 @@ FROM laid;
 
 -- The hash of these view files (forensics.phases._views_sha, which leaves this line out): a
 -- database whose macro answers another value holds views from another version.
-CREATE OR REPLACE MACRO phase_views_version() AS 'de7a7fb473634424e9bd5fc445e8e6f8bb60df707cc7758b1d1accdb8afcbe7a';
+CREATE OR REPLACE MACRO phase_views_version() AS '6530165741cf8429e79f41f32c2f81505f5ad39db5c9606feb92788e088521fd';
