@@ -156,6 +156,9 @@ class SafeReader:
 
     def __init__(self, stream: BinaryIO, ctx: FileContext):
         self.stream, self.ctx = stream, ctx
+        # read1 returns what one step of decompression gives: a buffered read() of
+        # a gzip stream that ends early would drop the data decoded before the error
+        self._read = getattr(stream, "read1", None) or stream.read
         self.newlines = 0
         self.last = b""
         self.broken = False
@@ -164,7 +167,7 @@ class SafeReader:
         if self.broken:
             return b""
         try:
-            block = self.stream.read(n)
+            block = self._read(n)
         except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
             self.broken = True
             self.ctx.truncated = True
@@ -337,6 +340,8 @@ class ArrayStream:
             i += 1
         offsets = [i]
         offsets.extend(m.end() - 1 for m in _SEP.finditer(self.buf, start, end))
+        if len(offsets) != len(values):  # a `}, {` inside a string: count exactly
+            offsets = _element_starts(self.buf, start, end)
         lines = self._lines_at(offsets, end) if len(offsets) == len(values) else None
         return self.on_values(values, lines)
 
@@ -406,6 +411,33 @@ class ArrayStream:
             self._close(closed_at)
         else:
             self.pos = resume
+
+
+def _element_starts(buf: bytearray, start: int, end: int) -> list[int]:
+    """Offsets where the elements of the comma-separated run ``buf[start:end]`` begin."""
+    starts: list[int] = []
+    depth = 0
+    expecting = True  # between a comma and the next element
+    gap = start
+    for m in _TOK.finditer(buf, start, end):
+        c = buf[m.start()]
+        if depth == 0 and expecting and (c == 0x22 or c in _OPEN):
+            starts.append(m.start())
+            expecting = False
+        if c in _OPEN:
+            depth += 1
+        elif c in _CLOSE:
+            depth -= 1
+        elif c == 0x2C and depth == 0:
+            if expecting:  # a number / true / false / null element
+                text = bytes(buf[gap:m.start()])
+                starts.append(gap + len(text) - len(text.lstrip(_WS)))
+            expecting = True
+            gap = m.end()
+    if expecting and bytes(buf[gap:end]).strip(_WS):
+        text = bytes(buf[gap:end])
+        starts.append(gap + len(text) - len(text.lstrip(_WS)))
+    return starts
 
 
 def _rstrip(buf: bytearray, start: int, end: int) -> int:
@@ -563,7 +595,7 @@ class Tally:
 def frame_from_values(values: list, lines: np.ndarray | None, tally: Tally, first_seq: int) -> pl.DataFrame:
     """Decoded elements to columns one by one: what converts is kept, the rest is
     null and counted in ``tally``. A value that is not an object becomes an ``invalid``
-    row (its JSON in ``args``)."""
+    row (its JSON in ``args``; null for ``null`` and for text that is not JSON)."""
     n = len(values)
     data: dict[str, list] = {c: [None] * n for c in _DECODED if c not in ("line_no", "_invalid")}
     invalid = [False] * n
@@ -572,7 +604,7 @@ def frame_from_values(values: list, lines: np.ndarray | None, tally: Tally, firs
         if not isinstance(e, dict):
             invalid[i] = True
             bad.append("not a JSON object")
-            if not isinstance(e, Invalid):
+            if e is not None and not isinstance(e, Invalid):
                 data["args"][i] = _json_text(e)
         else:
             for key, (column, type_) in _TOP.items():
@@ -712,6 +744,33 @@ def decoders(st: FileState) -> tuple[Callable, Callable]:
     return on_text, on_values
 
 
+def event_stream(reader: SafeReader, buf: bytearray, pos: int, st: FileState, batch_bytes: int) -> ArrayStream:
+    """An :class:`ArrayStream` over the event array at ``buf[pos:]`` that yields
+    finished ``trace_events`` frames."""
+    on_text, on_values = decoders(st)
+    return ArrayStream(reader, buf, pos, on_text, on_values, batch_bytes=batch_bytes)
+
+
+def stream_rows(arr: ArrayStream, st: FileState, ctx: FileContext, what: str) -> ParseOutput:
+    """Yield the rows of every batch; report an event array that ends without ``]``."""
+    for frame in arr.batches():
+        yield "trace_events", frame
+    if not arr.closed:
+        ctx.truncated = True
+        ctx.problem(f"{what} cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
+                    arr.cut_line, "truncated")
+
+
+def finish_file(reader: SafeReader, st: FileState, arr: ArrayStream | None, ctx: FileContext, meta: dict) -> pa.Table:
+    """Read what is left (for the line count), report the file's problems, and return
+    its ``trace_meta`` row."""
+    while reader.read(READ_BYTES):
+        pass
+    ctx.lines = reader.physical_lines()
+    report_events(st, arr, ctx)
+    return meta_row(ctx, st, meta)
+
+
 def report_events(st: FileState, arr: ArrayStream | None, ctx: FileContext) -> None:
     if arr is not None:
         for message, line in arr.problems:
@@ -744,15 +803,9 @@ def parse_trace(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYT
         ctx.truncated = True
         ctx.problem("no \"traceEvents\" array: the file ends before it", None, "truncated")
     else:
-        on_text, on_values = decoders(st)
-        arr = ArrayStream(reader, buf, pos, on_text, on_values, batch_bytes=batch_bytes)
-        for frame in arr.batches():
-            yield "trace_events", frame
-        if not arr.closed:
-            ctx.truncated = True
-            ctx.problem(f"trace cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
-                        arr.cut_line, "truncated")
-        else:
+        arr = event_stream(reader, buf, pos, st, batch_bytes)
+        yield from stream_rows(arr, st, ctx, "trace")
+        if arr.closed:
             trailer, closed = parse_trailer(arr.tail)
             if not closed:
                 ctx.truncated = True
@@ -761,11 +814,7 @@ def parse_trace(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYT
             for late in ("baseTimeNanoseconds", "distributedInfo"):
                 if late in trailer and late not in head:
                     ctx.problem(f"\"{late}\" comes after the events: their rank / wall clock do not use it", None, "warning")
-    while reader.read(READ_BYTES):  # count the lines of what is left
-        pass
-    ctx.lines = reader.physical_lines()
-    report_events(st, arr, ctx)
-    yield "trace_meta", meta_row(ctx, st, {**head, **trailer})
+    yield "trace_meta", finish_file(reader, st, arr, ctx, {**head, **trailer})
 
 
 def _int_field(obj, key: str) -> int | None:

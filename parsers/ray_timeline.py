@@ -21,9 +21,7 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from .base import FileContext, ParseOutput
-from .kineto import (
-    BATCH_BYTES, READ_BYTES, ArrayStream, FileState, SafeReader, decoders, meta_row, report_events,
-)
+from .kineto import BATCH_BYTES, READ_BYTES, FileState, SafeReader, event_stream, finish_file, stream_rows
 
 
 def parse_timeline(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYTES) -> ParseOutput:
@@ -45,21 +43,11 @@ def parse_timeline(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_
     st = FileState(ctx.file_id, "ray", None, None)  # ts is epoch microseconds already
     arr = None
     if start >= 0:
-        on_text, on_values = decoders(st)
-        arr = ArrayStream(reader, buf, start, on_text, on_values, batch_bytes=batch_bytes)
-        for frame in arr.batches():
-            yield "trace_events", frame
-        if not arr.closed:
-            ctx.truncated = True
-            ctx.problem(f"timeline cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
-                        arr.cut_line, "truncated")
-        elif arr.tail.strip():
+        arr = event_stream(reader, buf, start, st, batch_bytes)
+        yield from stream_rows(arr, st, ctx, "timeline")
+        if arr.closed and arr.tail.strip():
             ctx.problem("text after the end of the timeline's event array (ignored)", arr.line, "warning")
     elif not buf.strip():
         ctx.truncated = True
         ctx.problem("empty timeline", None, "truncated")
-    while reader.read(READ_BYTES):  # count the lines of what is left
-        pass
-    ctx.lines = reader.physical_lines()
-    report_events(st, arr, ctx)
-    yield "trace_meta", meta_row(ctx, st, {})
+    yield "trace_meta", finish_file(reader, st, arr, ctx, {})

@@ -149,7 +149,7 @@ def annotate(df: pl.DataFrame, cctx) -> tuple[pl.DataFrame, dict]:
 
 
 _METRIC_SCHEMA = {
-    "file_id": pl.Int32, "line_no": pl.Int64, "ts": pl.Datetime("us"), "key": pl.String, "value": pl.Float64,
+    "file_id": pl.Int32, "line_no": pl.Int64, "ts": pl.Datetime("us"), "step": pl.Int64, "key": pl.String, "value": pl.Float64,
     "value_text": pl.String, "source": pl.String, "rank": pl.Int32, "pid": pl.Int64, "actor": pl.String,
 }
 
@@ -161,7 +161,7 @@ def engine_message(row: dict, metrics: list[dict], events: list[dict]) -> None:
     where = {k: row[k] for k in ("file_id", "line_no", "ts", "rank", "pid", "actor")}
 
     def metric(key: str, value: str, shown: str | None = None) -> None:
-        metrics.append({**where, "key": f"{engine}/{key}", "value": _number(value),
+        metrics.append({**where, "step": None, "key": f"{engine}/{key}", "value": _number(value),
                         "value_text": shown if shown is not None else value, "source": engine})
 
     def event(kind: str, seconds: float | None = None, detail: str | None = None) -> None:
