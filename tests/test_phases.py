@@ -69,9 +69,10 @@ def build_db(tmp_path: Path, fixture: str, extra: list[Path] = ()) -> Path:
     return db
 
 
-@pytest.fixture()
-def straggler_db(tmp_path) -> Path:
-    return build_db(tmp_path, "phase_straggler")
+@pytest.fixture(scope="module")
+def straggler_db(tmp_path_factory) -> Path:
+    """Built once per module: tests must not write to it (see the stale-views test)."""
+    return build_db(tmp_path_factory.mktemp("straggler"), "phase_straggler")
 
 
 def rows(con, sql: str, params=None) -> list[dict]:
@@ -351,8 +352,9 @@ def test_corpus_ray_timeline_phases(ingested_corpus, corpus):
     assert (ray["train_s"] > 0.4).all() and (ray["rollout_s"] > 0.3).all()
 
 
-def test_read_only_database_with_stale_views(straggler_db):
+def test_read_only_database_with_stale_views(tmp_path):
     """A database written by an older forensics: the phase views are missing or old."""
+    straggler_db = build_db(tmp_path, "phase_straggler")
     con = duckdb.connect(str(straggler_db))
     con.execute("DROP VIEW phases").fetchall()
     con.execute("CREATE OR REPLACE VIEW phase_steps AS SELECT 1 AS stale").fetchall()
