@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import numpy as np
 import polars as pl
 
 from . import phases as ph
@@ -208,10 +209,12 @@ def _grid(spans: pl.DataFrame, lanes: list[str], kinds: list[str], t0: float, t1
         .group_by("lane", "bin", "kind").agg(pl.col("overlap").sum())
         .sort("overlap", descending=True).unique(["lane", "bin"], keep="first")
     )
-    cells = [["."] * nbins for _ in lanes]
-    for lane, b, kind in df.select("lane", "bin", "kind").iter_rows():
-        cells[row[lane]][b] = chr(97 + code[kind])
-    return ["".join(c) for c in cells], width
+    cells = np.full((len(lanes), nbins), ord("."), dtype=np.uint8)
+    if df.height:
+        lane_idx = df["lane"].replace_strict(row, return_dtype=pl.Int64).to_numpy()
+        kind_code = df["kind"].replace_strict(code, return_dtype=pl.Int64).to_numpy()
+        cells[lane_idx, df["bin"].to_numpy()] = 97 + kind_code
+    return [bytes(r).decode("ascii") for r in cells], width
 
 
 def _lane_order(lanes: list[str]) -> list[str]:
