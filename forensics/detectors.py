@@ -86,17 +86,18 @@ class Series:
 def load_series(con, patterns: list[str]) -> list[Series]:
     if not patterns:
         return []
-    rx = _keys_regex(patterns)
-    try:
-        df = pl.from_arrow(con.sql(
-            """SELECT m.file_id, f.path, m.source, m.key, m.step, m.value, m.line_no, m.ts
-               FROM metrics m JOIN files f USING (file_id)
-               WHERE m.step IS NOT NULL AND m.step >= 1 AND regexp_matches(m.key, ?)
-               ORDER BY m.file_id, m.key, m.step, m.line_no""", params=[rx]).to_arrow_table())
-    except Exception as exc:  # a database without a metrics table (or an old schema)
-        if "metrics" in str(exc) and ("does not exist" in str(exc) or "not found" in str(exc)):
-            return []
-        raise
+    rx = re.compile(_keys_regex(patterns))
+    keys = [k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE key IS NOT NULL").fetchall() if rx.search(k)]
+    if not keys:
+        return []
+    # first value of each (file, key, step): a file that repeats a step (several ranks,
+    # a resumed run) keeps the earliest line
+    df = pl.from_arrow(con.sql(
+        f"""SELECT m.file_id, f.path, m.source, m.key, m.step, arg_min(m.value, m.line_no) AS value,
+                   min(m.line_no) AS line_no, arg_min(m.ts, m.line_no) AS ts
+            FROM metrics m JOIN files f USING (file_id)
+            WHERE m.step >= 1 AND m.key IN ({", ".join("?" for _ in keys)})
+            GROUP BY ALL ORDER BY m.file_id, m.key, m.step""", params=keys).to_arrow_table())
     out = []
     for (file_id, path, source, key), g in df.group_by(["file_id", "path", "source", "key"], maintain_order=True):
         rows = list(zip(g["step"].to_list(), g["value"].to_list(), g["line_no"].to_list(), g["ts"].to_list()))

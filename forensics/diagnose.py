@@ -271,7 +271,11 @@ def _any_regex(column: str, patterns: Iterable[str]) -> str:
 
 
 def _rule_sql(idx: int, r: Rule) -> str:
-    conds = [_any_regex("message", r.patterns)]
+    # the rule's own keywords first: a cheap substring test keeps the regexes off most rows
+    kw = [f"contains(message, {_sql_str(k)})" for k in r.keywords]
+    kw += [f"contains(lower(message), {_sql_str(k.lower())})" for k in r.keywords_ci]
+    conds = ["(" + " OR ".join(kw) + ")"] if kw else []
+    conds.append(_any_regex("message", r.patterns))
     if r.negative:
         conds.append("NOT " + _any_regex("message", r.negative))
     if not r.match_code_lines:
@@ -294,16 +298,19 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
 
     The one scan of ``lines`` keeps, in the TEMP table ``diag_candidates``, the lines that
     contain a rule keyword or match one of the ``extra`` patterns (read by later steps)."""
-    pre = sig.prefilter_regex(rules)
-    extra = list(extra)
-    if extra:
-        pre = pre + "|" + "|".join(f"(?:{p})" for p in extra)
+    # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
+    # with anchors and classes) get their own keyword test first
+    conds = [f"regexp_matches(l.message, {_sql_str(sig.prefilter_regex(rules))})"]
+    for p in extra:
+        cs, ci = sig.derive_keywords([p], "extra pattern")
+        kw = [f"contains(l.message, {_sql_str(k)})" for k in cs] + [f"contains(lower(l.message), {_sql_str(k.lower())})" for k in ci]
+        conds.append(f"(({' OR '.join(kw)}) AND regexp_matches(l.message, {_sql_str(p)}))")
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_candidates AS
             SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.level, l.header, l.actor, l.pid, l.node,
                    l.rank, l.event_line, l.message, l.text, f.path, f.format, f.pid AS file_pid
             FROM lines l JOIN files f USING (file_id)
-            WHERE regexp_matches(l.message, {_sql_str(pre)})"""
+            WHERE {" OR ".join(conds)}"""
     )
     if not rules:
         return pl.DataFrame()
@@ -343,9 +350,10 @@ class RunFacts:
     """What the run says about itself beyond the hits: pid -> rank/node, node aliases,
     world size, config, which steps were logged, which files and switches exist."""
 
-    def __init__(self, con: duckdb.DuckDBPyConnection, cat: Catalogue):
+    def __init__(self, con: duckdb.DuckDBPyConnection, cat: Catalogue, performance: bool = True):
         self.con = con
         self.cat = cat
+        self.performance = performance
         self.pid_rank: dict[int, int] = {}
         self.pid_node: dict[int, str] = {}
         self.pid_actor: dict[int, str] = {}
@@ -364,8 +372,9 @@ class RunFacts:
         self.metric_rows, self.max_step = int(row[0]), row[1]
         # when each step was logged, from the stamps of the console lines that carry it
         self.step_times = sorted(con.execute(
-            """SELECT m.step, min(l.ts) FROM metrics m JOIN lines l ON l.file_id = m.file_id AND l.line_no = m.line_no
-               WHERE m.step >= 1 AND l.ts IS NOT NULL GROUP BY m.step""").fetchall(), key=lambda r: r[1])
+            r"""SELECT TRY_CAST(regexp_extract(message, '^step:(\d+) - ', 1) AS BIGINT) AS step, min(ts)
+                FROM lines WHERE starts_with(message, 'step:') AND ts IS NOT NULL
+                GROUP BY step HAVING step >= 1""").fetchall(), key=lambda r: r[1])
 
     # -- nodes ----------------------------------------------------------------------
     def _load_nodes(self) -> None:
@@ -378,11 +387,11 @@ class RunFacts:
             return x
 
         rows = self.con.execute(
-            """SELECT pid, list(DISTINCT node), arg_max(node, n), arg_max(actor, na) FROM (
-                   SELECT pid, node, actor, count(*) OVER (PARTITION BY pid, node) AS n,
-                          count(actor) OVER (PARTITION BY pid, actor) AS na
-                   FROM lines WHERE pid IS NOT NULL AND (node IS NOT NULL OR actor IS NOT NULL))
-               GROUP BY pid""").fetchall()
+            """WITH g AS (SELECT pid, node, actor, count(*) AS n FROM lines
+                          WHERE pid IS NOT NULL AND (node IS NOT NULL OR actor IS NOT NULL) GROUP BY ALL)
+               SELECT pid, list(DISTINCT node) FILTER (WHERE node IS NOT NULL),
+                      arg_max(node, n) FILTER (WHERE node IS NOT NULL), arg_max(actor, n) FILTER (WHERE actor IS NOT NULL)
+               FROM g GROUP BY pid""").fetchall()
         for pid, nodes, top, actor in rows:
             nodes = [n for n in (nodes or []) if n]
             for n in nodes[1:]:
@@ -556,6 +565,17 @@ class RunFacts:
                AND header IS DISTINCT FROM 'nccl' ORDER BY abs(line_no - ?) LIMIT 1""", [h.file_id, h.proc, h.line_no]).fetchall()
         return int(row[0][0]) if row else None
 
+    def before_first_step(self, h: Hit, first_metric_line: dict[int, int]) -> bool:
+        """Whether the hit comes before the first training step was logged (by position in a
+        file that logs steps, else by time); False when that cannot be told."""
+        if not self.metric_rows:
+            return False
+        if h.file_id in first_metric_line:
+            return (h.line_no or 0) < first_metric_line[h.file_id]
+        if not self.step_times or h.ts is None:
+            return False
+        return h.ts < self.step_times[0][1]
+
     def last_step_before(self, h: Hit) -> int | None:
         """The last training step logged before the hit: by position when the hit's file
         logs steps, else by time (the stamps of the lines that logged each step)."""
@@ -694,8 +714,10 @@ def ensure_views(con: duckdb.DuckDBPyConnection) -> None:
 
 
 def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] = (), *,
-             con: duckdb.DuckDBPyConnection | None = None, catalogue: Catalogue | None = None) -> Diagnosis:
-    """Diagnose the run(s) in the database ``db`` (or the open connection ``con``)."""
+             con: duckdb.DuckDBPyConnection | None = None, catalogue: Catalogue | None = None,
+             performance: bool = True) -> Diagnosis:
+    """Diagnose the run(s) in the database ``db`` (or the open connection ``con``).
+    ``performance``: also compute the performance findings (stragglers, slow sync, ...)."""
     t0 = time.perf_counter()
     cat = catalogue or sig.load(signature_dirs)
     own = con is None
@@ -704,7 +726,7 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
             raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
         con = duckdb.connect(str(db), read_only=True)
     try:
-        d = _Diagnoser(con, cat).run()
+        d = _Diagnoser(con, cat, performance).run()
     finally:
         if own:
             con.close()
@@ -715,13 +737,14 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
 
 def headline(db_path: str | os.PathLike) -> str:
     """One line: the verdict, the root cause with its rank/phase and the evidence line."""
-    return diagnose(db_path).headline()
+    return diagnose(db_path, performance=False).headline()
 
 
 class _Diagnoser:
-    def __init__(self, con: duckdb.DuckDBPyConnection, cat: Catalogue):
+    def __init__(self, con: duckdb.DuckDBPyConnection, cat: Catalogue, performance: bool = True):
         self.con = con
         self.cat = cat
+        self.performance = performance
         self.markers = [(p, re.compile(rx), o) for p, rx, o in cat.phase_markers]
 
     # -- hits ---------------------------------------------------------------------------
@@ -872,9 +895,8 @@ class _Diagnoser:
                         break
             if ph is None and h.proc is not None and h.proc in task_methods:
                 ph, src = _phase_of(task_methods[h.proc], self.markers), "ray_task"
-            if ph is None and facts.metric_rows and (h.file_id in first_metric_line or facts.step_times):
-                if facts.last_step_before(h) is None and not (h.file_id in first_metric_line and (h.line_no or 0) > first_metric_line[h.file_id]):
-                    ph, src = "init", "before_first_step"
+            if ph is None and facts.before_first_step(h, first_metric_line):
+                ph, src = "init", "before_first_step"
             h.phase, h.phase_source = ph, src
 
     ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}
@@ -974,7 +996,7 @@ class _Diagnoser:
             fallbacks = [e for e in fallbacks if not (stop_ts is None or e.lo is None or e.lo >= stop_ts - timedelta(seconds=5))]
             causes = [e for e in causes if not (stop_ts and e.lo and e.lo > stop_ts)]
 
-        findings = self.findings(hits) + self.performance_findings(notes)
+        findings = self.findings(hits) + (self.performance_findings(notes) if self.performance else [])
         if not causes and not fallbacks:
             end_ev = (ends[-1].evidence() if ends else (stops[0].evidence() if stops else None))
             if not ends and not stops:
