@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import polars as pl
 
-from . import pipeline
+from . import export, pipeline
 from . import phases as phases_mod
 from .store import Store
 
@@ -32,7 +32,57 @@ class Run:
         return pl.from_arrow(rel.to_arrow_table())  # type: ignore[return-value]
 
     def tables(self) -> list[str]:
+        """Names of every table and view in the database, sorted."""
         return [r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
+
+    def views(self) -> list[str]:
+        """Names of the analysis views (``forensics/sql/*.sql``, documented in docs/schema.md)."""
+        return [r[0] for r in self.con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' ORDER BY 1").fetchall()]
+
+    def metrics(self, wide: bool = True, keys: list[str] | None = None) -> pl.DataFrame:
+        """Training metrics per step (view ``step_metrics``: one value per step and key).
+
+        ``wide=True``: one row per step, one column per metric key (named as logged,
+        e.g. ``timing_s/gen``), ordered by step. ``wide=False``: the long form
+        ``step, key, value, value_text, ts, reports``. ``keys`` keeps only those keys.
+        """
+        where = ""
+        params: list[Any] = []
+        if keys is not None:
+            if not keys:
+                raise ValueError("keys: give at least one metric key, or None for all")
+            where = "WHERE key IN (" + ", ".join("?" for _ in keys) + ")"
+            params = list(keys)
+        long = self.sql(f"SELECT step, key, value, value_text, ts, reports FROM step_metrics {where} ORDER BY step, key", params or None)
+        if not wide:
+            return long
+        if long.is_empty():
+            return pl.DataFrame(schema={"step": pl.Int64})
+        return long.pivot(on="key", index="step", values="value", aggregate_function="first", sort_columns=True).sort("step")
+
+    def last_lines(self, n: int = 20, before_first_error: bool = False) -> pl.DataFrame:
+        """The last ``n`` lines of every process stream (table macro ``tail_lines``), at the
+        end of the run or, with ``before_first_error``, up to the run's first ERROR/FATAL line."""
+        if before_first_error:
+            return self.sql(
+                "SELECT * FROM tail_lines(?, (SELECT min(ts) FROM error_lines WHERE level IN ('ERROR', 'FATAL'))) "
+                "ORDER BY stream, back DESC", [n])
+        return self.sql("SELECT * FROM tail_lines(?) ORDER BY stream, back DESC", [n])
+
+    def export_parquet(self, out_dir: str | os.PathLike, tables: list[str] | None = None) -> dict[str, int]:
+        """Write every table (or ``tables``) as ``<out_dir>/<table>.parquet``; returns rows per table."""
+        return export.parquet(self.con, out_dir, tables)
+
+    def export_chrome_trace(
+        self,
+        path: str | os.PathLike,
+        categories: list[str] | tuple[str, ...] | None = None,
+    ) -> export.ChromeTraceSummary:
+        """Write one merged Chrome/Perfetto trace of all ranks (phase spans, kernels,
+        annotations, warning/error log lines) to ``path``; see :func:`forensics.export.chrome_trace`.
+        ``categories``: ``trace_events.category`` values to include (None: the defaults)."""
+        return export.chrome_trace(self.con, path, categories=categories or export.DEFAULT_CATEGORIES)
 
     def phases(self) -> pl.DataFrame:
         """Seconds per (rank, step, phase, sub_phase) with their source (view ``phases``)."""

@@ -174,6 +174,50 @@ def query(
 
 
 @app.command()
+def export(
+    db: str = DB_OPTION,
+    parquet: Optional[str] = typer.Option(None, "--parquet", metavar="DIR", help="Write one <table>.parquet per table into DIR."),
+    chrome_trace: Optional[str] = typer.Option(None, "--chrome-trace", metavar="FILE.json", help="Write one merged Chrome/Perfetto trace of all ranks to FILE.json."),
+    category: List[str] = typer.Option([], "--category", "-c", help="trace_events category to put in the Chrome trace (repeatable; default: kernel, gpu_memcpy, gpu_memset, user_annotation, gpu_user_annotation, Ray tasks)."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+) -> None:
+    """Export the database: Parquet files (--parquet) and/or a Chrome/Perfetto trace (--chrome-trace)."""
+    from .api import Run
+
+    if not parquet and not chrome_trace:
+        _fail("nothing to export: give --parquet DIR and/or --chrome-trace FILE.json")
+    try:
+        run = Run(db)
+    except (FileNotFoundError, StoreLocked) as exc:
+        _fail(str(exc))
+        return
+    payload: dict = {"db": db}
+    try:
+        if parquet:
+            payload["parquet"] = {"dir": parquet, "tables": run.export_parquet(parquet)}
+        if chrome_trace:
+            summary = run.export_chrome_trace(chrome_trace, categories=category or None)
+            payload["chrome_trace"] = summary.to_dict()
+    except (OSError, duckdb.IOException) as exc:  # cannot write there: a user error, not a bug
+        _fail(f"cannot write: {exc}")
+    finally:
+        run.close()
+    if as_json:
+        typer.echo(json.dumps(payload, indent=2, default=str))
+        return
+    if "parquet" in payload:
+        tables = payload["parquet"]["tables"]
+        out.print(f"parquet: {len(tables)} table(s), {sum(tables.values()):,} row(s) -> {parquet}", highlight=False)
+    if "chrome_trace" in payload:
+        ct = payload["chrome_trace"]
+        kinds = ", ".join(f"{k} {v:,}" for k, v in ct["by_kind"].items())
+        out.print(f"chrome trace: {ct['events']:,} event(s) ({kinds}) in {len(ct['processes'])} process(es) -> {chrome_trace}", highlight=False)
+        if ct["unplaced_log_lines"]:
+            out.print(f"  {ct['unplaced_log_lines']:,} warning/error line(s) without a timestamp left out", highlight=False)
+        out.print("  open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
+
+
+@app.command()
 def report(
     db: str = DB_OPTION,
     output: str = typer.Option("report.html", "--output", "-o", metavar="FILE.html", help="Where to write the report."),

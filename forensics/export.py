@@ -1,0 +1,353 @@
+"""Export an ingested database: Parquet (one file per table) and one merged Chrome trace.
+
+Parquet files are plain: DuckDB, polars, pandas and pyarrow read them without this
+package. The Chrome trace (the JSON format of ``chrome://tracing`` and
+https://ui.perfetto.dev) puts every rank of the run on one wall-clock timeline: phase
+spans, GPU kernels and annotations from the profiler traces, Ray task spans, and the
+error/warning log lines as instant events carrying their ``file:line``.
+
+Everything is computed in DuckDB and written out in batches, so memory stays bounded
+by the batch size, not by the size of the trace.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Iterable, Sequence
+
+import duckdb
+
+# trace_events categories merged by default: what ran on the GPU, and the spans the
+# program marked itself. CPU operators and CUDA API calls are left out unless asked for
+# (they are most of a profiler trace and rarely what a post-mortem looks at).
+DEFAULT_CATEGORIES: tuple[str, ...] = (
+    "kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation",
+    "ray_task", "task", "actor_task",
+)
+GPU_CATEGORIES: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
+LOG_LEVELS: tuple[str, ...] = ("WARNING", "ERROR", "FATAL")
+BATCH_ROWS = 20_000
+
+
+# -- Parquet -----------------------------------------------------------------------
+
+def base_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Names of the database's tables (not views), sorted."""
+    rows = con.execute(
+        "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE' "
+        "AND table_schema = 'main' AND table_catalog = current_database() ORDER BY 1"
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def parquet(con: duckdb.DuckDBPyConnection, out_dir: str | os.PathLike, tables: Iterable[str] | None = None) -> dict[str, int]:
+    """Write one ``<table>.parquet`` per table into ``out_dir`` (created if missing).
+
+    Empty tables are written too (a schema and no rows). Each file is written under a
+    temporary name and renamed, so a reader never sees half a file.
+    Returns ``{table: rows written}``.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(tables) if tables is not None else base_tables(con)
+    known = set(base_tables(con))
+    counts: dict[str, int] = {}
+    # qualified by the database's own catalog: a temp table of the same name (a read-only
+    # Run attaches some) must not stand in for the stored one
+    catalog = con.execute("SELECT current_database()").fetchall()[0][0]
+    for name in names:
+        qualified = f"{_ident(catalog)}.main.{_ident(name)}"
+        if name not in known:
+            raise KeyError(f"no table {name!r} in the database (tables: {', '.join(sorted(known))})")
+        final = out / f"{name}.parquet"
+        tmp = out / f".{name}.parquet.tmp"
+        con.execute(
+            f"COPY (SELECT * FROM {qualified}) TO {_sql_string(str(tmp))} (FORMAT parquet, COMPRESSION zstd)"
+        )
+        os.replace(tmp, final)
+        counts[name] = int(con.execute(f"SELECT count(*) FROM {qualified}").fetchall()[0][0])
+    return counts
+
+
+# -- Chrome / Perfetto trace ---------------------------------------------------------
+
+@dataclass
+class ChromeTraceSummary:
+    """What :func:`chrome_trace` wrote."""
+
+    path: str
+    events: int = 0  # every JSON object in traceEvents, metadata included
+    by_kind: dict[str, int] = field(default_factory=dict)  # phase, trace, log, metadata
+    processes: list[str] = field(default_factory=list)  # process names, in pid order
+    origin_utc: str | None = None  # wall-clock time of ts = 0
+    unplaced_log_lines: int = 0  # warnings/errors without a timestamp (not in the trace)
+    phase_source: str | None = None  # the view the phase spans came from
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path, "events": self.events, "by_kind": self.by_kind, "processes": self.processes,
+            "origin_utc": self.origin_utc, "unplaced_log_lines": self.unplaced_log_lines,
+            "phase_source": self.phase_source,
+        }
+
+
+def _relations(con: duckdb.DuckDBPyConnection) -> dict[str, set[str]]:
+    """{table or view name: its column names} of the main schema."""
+    rows = con.execute(
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'main'"
+    ).fetchall()
+    out: dict[str, set[str]] = {}
+    for table, column in rows:
+        out.setdefault(table, set()).add(column)
+    return out
+
+
+# Phase spans come from the phase-attribution views (forensics/sql/6*_*.sql): the first
+# relation here that exists with the needed columns is used. Bounds are wall-clock
+# microseconds since the epoch; `rank IS NULL` rows are run-level (the driver's timers).
+PHASE_SPAN_SOURCES: tuple[str, ...] = ("phase_timeline", "phase_spans")
+PHASE_SPAN_COLUMNS = {"rank", "step", "phase", "name", "start_us", "end_us"}
+
+
+def phase_span_source(con: duckdb.DuckDBPyConnection) -> str | None:
+    """The view the phase spans come from, or None when no phase view exists."""
+    rel = _relations(con)
+    for name in PHASE_SPAN_SOURCES:
+        if PHASE_SPAN_COLUMNS <= rel.get(name, set()):
+            return name
+    return None
+
+
+def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_levels: Sequence[str]) -> tuple[str, str | None]:
+    """SQL of the unified event list (one row per span / instant, before pid/tid
+    numbering) and the phase source used. Columns: proc_key, proc_group, proc_rank,
+    node, role, thread_key, thread_sort, kind, ph, cat, name, abs_us, dur_us, args."""
+    rel = _relations(con)
+    parts: list[str] = []
+    if {"source", "rank", "ts", "ts_us", "dur_us", "category"} <= rel.get("trace_events", set()):
+        cats = ", ".join(_sql_string(c) for c in categories) or "NULL"
+        gpu = ", ".join(_sql_string(c) for c in GPU_CATEGORIES)
+        parts.append(f"""
+        SELECT
+            CASE WHEN e.rank IS NOT NULL THEN 'rank ' || e.rank ELSE e.source || ' pid ' || e.pid END AS proc_key,
+            CASE WHEN e.rank IS NOT NULL THEN 0 ELSE 1 END AS proc_group,
+            e.rank AS proc_rank,
+            f.node, f.actor AS role,
+            CASE WHEN e.category IN ({gpu})
+                 THEN 'GPU ' || coalesce(CAST(e.device AS VARCHAR), e.pid) || ' stream ' || coalesce(CAST(e.stream AS VARCHAR), e.tid)
+                 ELSE e.source || ' thread ' || coalesce(e.tid, '?') END AS thread_key,
+            CASE WHEN e.category IN ({gpu}) THEN 3 ELSE 2 END AS thread_sort,
+            'trace' AS kind,
+            CASE WHEN e.dur_us IS NULL THEN 'i' ELSE 'X' END AS ph,
+            e.category AS cat,
+            e.name,
+            e.ts_us + o.offset_us AS abs_us,
+            e.dur_us,
+            CASE WHEN json_valid(e.args) THEN e.args::JSON END AS args
+        FROM trace_events e
+        JOIN files f USING (file_id)
+        JOIN (
+            SELECT file_id, coalesce(avg(epoch_us(ts) - ts_us), -min(ts_us)) AS offset_us
+            FROM trace_events GROUP BY file_id
+        ) o USING (file_id)
+        WHERE e.category IN ({cats}) AND e.ph IN ('X', 'i', 'I')
+          AND isfinite(e.ts_us) AND (e.dur_us IS NULL OR isfinite(e.dur_us))""")
+    phase_source = phase_span_source(con)
+    if phase_source:
+        cols = rel[phase_source]
+        extra = ", ".join(f"'{c}': {c}" for c in ("sub_phase", "source", "approximate", "file_id", "line_no") if c in cols)
+        parts.append(f"""
+        SELECT
+            coalesce('rank ' || rank, 'run') AS proc_key, CASE WHEN rank IS NULL THEN -1 ELSE 0 END AS proc_group,
+            rank AS proc_rank, NULL AS node, NULL AS role,
+            'phases' AS thread_key, 1 AS thread_sort, 'phase' AS kind, 'X' AS ph, 'phase' AS cat,
+            phase AS name,
+            start_us::DOUBLE AS abs_us,
+            (end_us - start_us)::DOUBLE AS dur_us,
+            to_json({{'phase': phase, 'step': step, 'span': name{", " + extra if extra else ""}}}) AS args
+        FROM {_ident(phase_source)}
+        WHERE start_us IS NOT NULL AND end_us IS NOT NULL AND end_us >= start_us
+          AND isfinite(start_us) AND isfinite(end_us)""")
+    if "error_lines" in rel:
+        levels = ", ".join(_sql_string(lv) for lv in log_levels) or "NULL"
+        parts.append(f"""
+        SELECT
+            CASE WHEN l.rank IS NOT NULL THEN 'rank ' || l.rank
+                 WHEN l.pid IS NOT NULL THEN concat_ws(' ', l.node, 'pid ' || l.pid)
+                 ELSE 'log ' || l.path END AS proc_key,
+            CASE WHEN l.rank IS NOT NULL THEN 0 WHEN l.pid IS NOT NULL THEN 1 ELSE 2 END AS proc_group,
+            l.rank AS proc_rank, l.node, l.actor AS role,
+            'log' AS thread_key, 0 AS thread_sort, 'log' AS kind, 'i' AS ph, 'log ' || lower(l.level) AS cat,
+            l.level || ': ' || left(l.message, 120) AS name,
+            epoch_us(l.ts)::DOUBLE AS abs_us,
+            NULL::DOUBLE AS dur_us,
+            to_json({{'file': l.path || ':' || l.line_no, 'level': l.level, 'message': l.message}}) AS args
+        FROM (SELECT e.* REPLACE (coalesce(e.rank, m.rank) AS rank)
+              FROM error_lines e LEFT JOIN _ct_pid_rank m ON m.pid = e.pid AND e.rank IS NULL) l
+        WHERE l.ts IS NOT NULL AND l.level IN ({levels})""")
+    if not parts:
+        return "", phase_source
+    return "\nUNION ALL\n".join(parts), phase_source
+
+
+# CPU-side profiler categories: their pid is the OS process id of the rank.
+_HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
+
+
+def _pid_rank_table(cur: duckdb.DuckDBPyConnection) -> None:
+    """Temp tables ``_ct_pid_rank`` (the rank of an OS pid: the rank most evidence agrees
+    on, from the profiler traces and from the ``rank_pids`` view) and ``_ct_rank_hints``
+    (the node and role most lines of a rank name), so that log lines without a rank
+    prefix land on their rank's process and rank processes get a node name."""
+    rel = _relations(cur)
+    sources = []
+    if {"source", "rank", "pid", "category"} <= rel.get("trace_events", set()):
+        cats = ", ".join(_sql_string(c) for c in _HOST_CATEGORIES)
+        sources.append(
+            "SELECT TRY_CAST(pid AS BIGINT) AS pid, rank, count(*) AS n FROM trace_events "
+            f"WHERE source = 'kineto' AND rank IS NOT NULL AND category IN ({cats}) GROUP BY ALL")
+    if {"pid", "rank", "n"} <= rel.get("rank_pids", set()):
+        sources.append("SELECT pid, rank, n FROM rank_pids")
+    elif "attributed_lines" in rel:
+        sources.append("SELECT pid, rank, count(*) AS n FROM attributed_lines WHERE pid IS NOT NULL AND rank IS NOT NULL GROUP BY ALL")
+    union = " UNION ALL ".join(sources) if sources else "SELECT NULL::BIGINT AS pid, NULL::INTEGER AS rank, 0 AS n"
+    cur.execute(f"""
+        CREATE OR REPLACE TEMP TABLE _ct_pid_rank AS
+        SELECT pid, arg_max(rank, n) AS rank FROM (
+            SELECT pid, rank, sum(n) AS n FROM ({union}) WHERE pid IS NOT NULL AND rank IS NOT NULL GROUP BY pid, rank
+        ) GROUP BY pid""")
+    if "attributed_lines" in rel:
+        cur.execute("""
+            CREATE OR REPLACE TEMP TABLE _ct_rank_hints AS
+            SELECT coalesce(a.rank, m.rank) AS rank, mode(a.node) AS node, mode(a.actor) AS role
+            FROM attributed_lines a LEFT JOIN _ct_pid_rank m ON m.pid = a.pid AND a.rank IS NULL
+            WHERE coalesce(a.rank, m.rank) IS NOT NULL GROUP BY ALL""")
+    else:
+        cur.execute("CREATE OR REPLACE TEMP TABLE _ct_rank_hints (rank INTEGER, node VARCHAR, role VARCHAR)")
+
+
+_METADATA_QUERIES = (
+    "SELECT json_object('name', 'process_name', 'ph', 'M', 'pid', pid, 'tid', 0, 'args', json_object('name', name)) FROM _ct_procs ORDER BY pid",
+    "SELECT json_object('name', 'process_sort_index', 'ph', 'M', 'pid', pid, 'tid', 0, 'args', json_object('sort_index', pid)) FROM _ct_procs ORDER BY pid",
+    "SELECT json_object('name', 'thread_name', 'ph', 'M', 'pid', p.pid, 'tid', t.tid, 'args', json_object('name', t.thread_key)) "
+    "FROM _ct_threads t JOIN _ct_procs p USING (proc_key) ORDER BY p.pid, t.tid",
+    "SELECT json_object('name', 'thread_sort_index', 'ph', 'M', 'pid', p.pid, 'tid', t.tid, 'args', json_object('sort_index', t.tid)) "
+    "FROM _ct_threads t JOIN _ct_procs p USING (proc_key) ORDER BY p.pid, t.tid",
+)
+
+
+def _write_batches(fh: IO[str], cursor: duckdb.DuckDBPyConnection, first: bool) -> tuple[int, bool]:
+    n = 0
+    while True:
+        rows = cursor.fetchmany(BATCH_ROWS)
+        if not rows:
+            return n, first
+        chunk = ",\n".join(r[0] for r in rows)
+        fh.write(chunk if first else ",\n" + chunk)
+        first = False
+        n += len(rows)
+
+
+def chrome_trace(
+    con: duckdb.DuckDBPyConnection,
+    path: str | os.PathLike,
+    categories: Sequence[str] = DEFAULT_CATEGORIES,
+    log_levels: Sequence[str] = LOG_LEVELS,
+) -> ChromeTraceSummary:
+    """Write one Chrome/Perfetto trace (JSON) of the whole run to ``path``.
+
+    * one process per rank (named ``node rank N role`` through ``M`` metadata events),
+      plus one per process or file whose log lines name no rank, and one per Ray process;
+    * threads: ``phases`` (phase spans), ``log`` (warning/error lines as instant events,
+      ``args.file`` = ``path:line``), one per CPU thread of the traces and one per GPU
+      stream (kernels, memcpy/memset, GPU annotations);
+    * ``ts`` is microseconds since the earliest event (``otherData.origin_utc``).
+
+    ``categories``: the ``trace_events.category`` values taken (default: GPU work and
+    user annotations; add ``cpu_op``, ``cuda_runtime``, ... for everything).
+    Lines without a timestamp cannot be placed and are counted in the summary.
+    """
+    out_path = str(path)
+    summary = ChromeTraceSummary(path=out_path)
+    events_sql, summary.phase_source = _event_sql(con, categories, log_levels)
+    # the caller's connection itself, not a cursor: temp tables (the phase rules a
+    # read-only Run attaches) are visible to their own connection only
+    cur = con
+    try:
+        if "error_lines" in _relations(con):
+            levels = ", ".join(_sql_string(lv) for lv in log_levels) or "NULL"
+            summary.unplaced_log_lines = int(cur.execute(
+                f"SELECT count(*) FROM error_lines WHERE ts IS NULL AND level IN ({levels})").fetchall()[0][0])
+        _pid_rank_table(cur)
+        if events_sql:
+            cur.execute(f"CREATE OR REPLACE TEMP TABLE _ct_events AS {events_sql}")
+        else:
+            cur.execute(
+                "CREATE OR REPLACE TEMP TABLE _ct_events (proc_key VARCHAR, proc_group INTEGER, proc_rank INTEGER, "
+                "node VARCHAR, role VARCHAR, thread_key VARCHAR, thread_sort INTEGER, kind VARCHAR, ph VARCHAR, "
+                "cat VARCHAR, name VARCHAR, abs_us DOUBLE, dur_us DOUBLE, args JSON)")
+        cur.execute("""
+            CREATE OR REPLACE TEMP TABLE _ct_procs AS
+            SELECT e.proc_key,
+                   row_number() OVER (ORDER BY e.proc_group, e.proc_rank NULLS LAST, e.proc_key)::INTEGER AS pid,
+                   concat_ws(' ', coalesce(e.node, h.node), e.proc_key, coalesce(e.role, h.role)) AS name
+            FROM (SELECT proc_key, proc_group, proc_rank, mode(node) AS node, mode(role) AS role
+                  FROM _ct_events GROUP BY ALL) e
+            LEFT JOIN _ct_rank_hints h ON h.rank = e.proc_rank""")
+        cur.execute("""
+            CREATE OR REPLACE TEMP TABLE _ct_threads AS
+            SELECT proc_key, thread_key,
+                   row_number() OVER (PARTITION BY proc_key ORDER BY thread_sort, thread_key)::INTEGER AS tid
+            FROM (SELECT DISTINCT proc_key, thread_key, thread_sort FROM _ct_events)""")
+        origin = cur.execute("SELECT min(abs_us) FROM _ct_events").fetchall()[0][0]
+        origin = float(origin) if origin is not None else 0.0
+        if origin:
+            summary.origin_utc = cur.execute(
+                "SELECT strftime(make_timestamp(?::BIGINT), '%Y-%m-%dT%H:%M:%S.%fZ')", [int(origin)]).fetchall()[0][0]
+        summary.processes = [r[0] for r in cur.execute("SELECT name FROM _ct_procs ORDER BY pid").fetchall()]
+        tmp = out_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write('{"displayTimeUnit": "ms",\n"traceEvents": [\n')
+            first = True
+            meta = 0
+            for query in _METADATA_QUERIES:
+                n, first = _write_batches(fh, cur.execute(query), first)
+                meta += n
+            summary.by_kind["metadata"] = meta
+            kinds = [r[0] for r in cur.execute("SELECT DISTINCT kind FROM _ct_events ORDER BY 1").fetchall()]
+            for kind in kinds:
+                cur.execute(
+                    """
+                    SELECT CASE WHEN e.ph = 'X'
+                        THEN to_json({'name': e.name, 'cat': e.cat, 'ph': 'X', 'ts': round(e.abs_us - ?, 3),
+                                      'dur': round(greatest(e.dur_us, 0), 3), 'pid': p.pid, 'tid': t.tid, 'args': e.args})
+                        ELSE to_json({'name': e.name, 'cat': e.cat, 'ph': 'i', 's': 't', 'ts': round(e.abs_us - ?, 3),
+                                      'pid': p.pid, 'tid': t.tid, 'args': e.args}) END
+                    FROM _ct_events e
+                    JOIN _ct_procs p USING (proc_key)
+                    JOIN _ct_threads t USING (proc_key, thread_key)
+                    WHERE e.kind = ?
+                    ORDER BY e.abs_us
+                    """,
+                    [origin, origin, kind],
+                )
+                n, first = _write_batches(fh, cur, first)
+                summary.by_kind[kind] = n
+            other = {"generator": "forensics", "origin_utc": summary.origin_utc, "phase_source": summary.phase_source}
+            fh.write("\n],\n\"otherData\": " + json.dumps(other) + "}\n")
+        os.replace(tmp, out_path)
+    finally:
+        for t in ("_ct_events", "_ct_procs", "_ct_threads", "_ct_pid_rank", "_ct_rank_hints"):
+            cur.execute(f"DROP TABLE IF EXISTS {t}")
+    summary.events = sum(summary.by_kind.values())
+    return summary
