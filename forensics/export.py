@@ -300,7 +300,10 @@ def chrome_trace(
             CREATE OR REPLACE TEMP TABLE _ct_procs AS
             SELECT e.proc_key,
                    row_number() OVER (ORDER BY e.proc_group, e.proc_rank NULLS LAST, e.proc_key)::INTEGER AS pid,
-                   concat_ws(' ', coalesce(e.node, h.node), e.proc_key, coalesce(e.role, h.role)) AS name
+                   -- a rank's process: node, rank, role; the others' keys already name their node
+                   CASE WHEN e.proc_rank IS NOT NULL
+                        THEN concat_ws(' ', coalesce(e.node, h.node), e.proc_key, coalesce(e.role, h.role))
+                        ELSE concat_ws(' ', e.proc_key, e.role) END AS name
             FROM (SELECT proc_key, proc_group, proc_rank, mode(node) AS node, mode(role) AS role
                   FROM _ct_events GROUP BY ALL) e
             LEFT JOIN _ct_rank_hints h ON h.rank = e.proc_rank""")
