@@ -104,6 +104,7 @@ TRACE_META = Table(
 
 BATCH_BYTES = 1 << 20  # JSON text decoded per batch: memory is bounded by this (polars needs ~25x it)
 READ_BYTES = 1 << 20
+PART_ROWS = 1 << 16  # rows handed on at a time
 MAX_ELEMENT_BYTES = 256 << 20  # an element (or unbalanced text) longer than this stops the read
 MAX_META_BYTES = 64 << 20  # top-level keys around the event array are metadata: cap them
 
@@ -701,8 +702,8 @@ def wall_clock(ts_us: pl.Expr, base_us: float | None) -> pl.Expr:
             .cast(pl.Int64).cast(pl.Datetime("us")))
 
 
-def finish(df: pl.DataFrame, st: FileState) -> pl.DataFrame:
-    """Add the file-level columns and the derived ones; ``trace_events`` column order."""
+def finish(df: pl.DataFrame, st: FileState) -> pa.Table:
+    """Add the file-level columns and the derived ones: ``trace_events`` rows."""
     n = df.height
     cat = pl.col("cat")
     category = (pl.when(pl.col("_invalid")).then(pl.lit("invalid"))
@@ -724,21 +725,21 @@ def finish(df: pl.DataFrame, st: FileState) -> pl.DataFrame:
         pl.coalesce("correlation", pl.when(pl.col("category") == "ac2g").then(pl.col("flow_id"))).alias("correlation"),
     )
     st.seq += n
-    return out.select([c.name for c in TRACE_EVENTS.columns])
+    return out.select([c.name for c in TRACE_EVENTS.columns]).to_arrow().cast(TRACE_EVENTS.arrow_schema)
 
 
 def decoders(st: FileState) -> tuple[Callable, Callable]:
     """The (on_text, on_values) pair of :class:`ArrayStream` that yields finished rows."""
     seps: list[bytes] = []
 
-    def on_text(text: bytes, line: int) -> pl.DataFrame | None:
+    def on_text(text: bytes, line: int) -> pa.Table | None:
         if not seps:  # the file's usual separator, from its first batch
             counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
             seps.append(counts.most_common(1)[0][0] if counts else b"},{")
         df = frame_from_text(text, line, seps[0])
         return None if df is None else finish(df, st)
 
-    def on_values(values: list, lines: np.ndarray | None) -> pl.DataFrame:
+    def on_values(values: list, lines: np.ndarray | None) -> pa.Table:
         return finish(frame_from_values(values, lines, st.tally, st.seq), st)
 
     return on_text, on_values
@@ -752,9 +753,18 @@ def event_stream(reader: SafeReader, buf: bytearray, pos: int, st: FileState, ba
 
 
 def stream_rows(arr: ArrayStream, st: FileState, ctx: FileContext, what: str) -> ParseOutput:
-    """Yield the rows of every batch; report an event array that ends without ``]``."""
-    for frame in arr.batches():
-        yield "trace_events", frame
+    """Yield the rows of the batches, about ``PART_ROWS`` at a time (fewer, larger parts
+    load faster); report an event array that ends without ``]``."""
+    pending: list[pa.Table] = []
+    rows = 0
+    for table in arr.batches():
+        pending.append(table)
+        rows += table.num_rows
+        if rows >= PART_ROWS:
+            yield "trace_events", pa.concat_tables(pending)
+            pending, rows = [], 0
+    if pending:
+        yield "trace_events", pa.concat_tables(pending)
     if not arr.closed:
         ctx.truncated = True
         ctx.problem(f"{what} cut off inside the event array; the {st.seq} complete event(s) before the cut were loaded",
