@@ -118,6 +118,7 @@ class Run:
         return dg.diagnose(signature_dirs=signatures, con=self.con)
 
     def close(self) -> None:
+        """Close the database (a ``with forensics.open(...) as run:`` block does it for you)."""
         self.store.close()
 
     def __enter__(self) -> "Run":

@@ -1,9 +1,13 @@
 -- `tail_lines(n := 20, until := NULL)`: a table macro, the last `n` non-blank lines of every
 -- process stream up to and including the time `until` (a TIMESTAMP; NULL = the end of the
--- run). A stream is one (node, pid, rank) as far as they are known for a line (the line's own
--- prefix, else its file's hints); lines with neither pid nor rank form one stream per file.
--- `back` = 1 is the stream's last line. Lines are ordered by `ts`, then by file and line;
--- unstamped lines take part only when `until` is NULL.
+-- run). A stream is one process: its (node, pid) as far as they are known for a line (the
+-- line's own prefix, else its file's hints; a pid seen on one node only takes that node, a
+-- line with a rank but no pid takes the pid that rank ran as when `rank_pids` names just
+-- one); lines with a rank and no known pid form one stream per (node, rank), lines with
+-- neither one stream per file. `rank` is the line's rank, else the one most lines of its
+-- stream carry, else the one `rank_pids` gives its pid. `back` = 1 is the stream's last
+-- line. Lines are ordered by `ts`, then by file and line; unstamped lines take part only
+-- when `until` is NULL.
 --
 -- `last_lines`: `tail_lines(20)`, what every process printed last.
 -- `last_lines_before_error`: what every process printed last up to the run's first
@@ -18,21 +22,39 @@
 -- FROM tail_lines(5, TIMESTAMP '2026-11-30 00:33:00') ORDER BY stream, back DESC;
 -- ```
 CREATE OR REPLACE MACRO tail_lines(n := 20, until := NULL::TIMESTAMP) AS TABLE
-WITH keyed AS (
+WITH pid_node AS (
+    SELECT pid, min(node) AS node FROM attributed_lines
+    WHERE pid IS NOT NULL AND node IS NOT NULL GROUP BY pid HAVING count(DISTINCT node) = 1
+), rank_pid AS (
+    SELECT rank, min(pid) AS pid FROM rank_pids
+    WHERE rank IS NOT NULL AND pid IS NOT NULL GROUP BY rank HAVING count(DISTINCT pid) = 1
+), pid_rank AS (
+    SELECT pid, arg_max(rank, n) AS rank
+    FROM (SELECT pid, rank, sum(n) AS n FROM rank_pids WHERE pid IS NOT NULL AND rank IS NOT NULL GROUP BY pid, rank)
+    GROUP BY pid
+), placed AS (
+    SELECT a.* REPLACE (coalesce(a.pid, rp.pid) AS pid), coalesce(a.node, pn.node, pn2.node) AS proc_node
+    FROM attributed_lines a
+    LEFT JOIN rank_pid rp ON a.pid IS NULL AND rp.rank = a.rank
+    LEFT JOIN pid_node pn ON pn.pid = a.pid
+    LEFT JOIN pid_node pn2 ON a.pid IS NULL AND pn2.pid = rp.pid
+    WHERE trim(a.message) <> ''
+      AND (until IS NULL OR a.ts <= until)
+), keyed AS (
     SELECT
-        CASE WHEN pid IS NULL AND rank IS NULL THEN 'file ' || path
-             ELSE concat_ws(' ', 'node ' || node, 'pid ' || pid, 'rank ' || rank) END AS stream,
+        CASE WHEN pid IS NOT NULL THEN concat_ws(' ', 'node ' || proc_node, 'pid ' || pid)
+             WHEN rank IS NOT NULL THEN concat_ws(' ', 'node ' || proc_node, 'rank ' || rank)
+             ELSE 'file ' || path END AS stream,
         *
-    FROM attributed_lines
-    WHERE trim(message) <> ''
-      AND (until IS NULL OR ts <= until)
+    FROM placed
 ), numbered AS (
     SELECT
         row_number() OVER (PARTITION BY stream ORDER BY ts DESC NULLS LAST, file_id DESC, line_no DESC) AS back,
-        *
-    FROM keyed
+        coalesce(k.rank, mode(k.rank) OVER (PARTITION BY k.stream), pr.rank) AS stream_rank,
+        k.*
+    FROM keyed k LEFT JOIN pid_rank pr ON pr.pid = k.pid
 )
-SELECT stream, back, node, pid, rank, actor, path, file_id, line_no, ts, level, message
+SELECT stream, back, proc_node AS node, pid, stream_rank AS rank, actor, path, file_id, line_no, ts, level, message
 FROM numbered
 WHERE back <= n;
 
