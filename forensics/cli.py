@@ -162,7 +162,11 @@ def query(
     if fmt == "csv":
         sys.stdout.write(df.write_csv())
     elif fmt == "json":
-        sys.stdout.write(json.dumps(df.to_dicts(), default=str, indent=1) + "\n")
+        import math
+
+        # strict JSON has no NaN or Infinity: non-finite floats are printed as null
+        rows = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in df.to_dicts()]
+        sys.stdout.write(json.dumps(rows, default=str, indent=1, allow_nan=False) + "\n")
     else:
         t = RichTable(show_edge=False)
         for c in df.columns:

@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 import typer
 from typer.core import TyperArgument, TyperOption
-from typer._click.exceptions import UsageError
 from typer.testing import CliRunner
+
+try:  # typer >= 0.2x vendors click
+    from typer._click.exceptions import UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import UsageError
 
 from forensics.api import Run
 from forensics.cli import app
