@@ -66,9 +66,10 @@ def describe(con: Connection | str | os.PathLike) -> str:
             ranks = group.filter(pl.col("status") == status).get_column("rank").to_list()
             if ranks:
                 parts.append(f"{status}: {_ranks(ranks)}")
-        waiting = group.filter(pl.col("status") == "waiting").height
-        if waiting:
-            parts.append(f"{waiting} rank(s) waiting")
+        for status in ("waiting", "ok"):
+            n = group.filter(pl.col("status") == status).height
+            if n:
+                parts.append(f"{n} rank(s) {status}")
         out.append("; ".join(parts))
     return "\n".join(out)
 

@@ -95,7 +95,7 @@ def test_flight_recorder_dumps_win_over_watchdog_lines(tmp_path):
     assert suspects(con).filter(pl.col("pg") == "0").select("rank", "status").rows() == [(2, "missing"), (3, "behind")]
     text = describe(str(tmp_path / "run.duckdb"))  # a path works too
     assert "process group 0 (default_pg), 4 ranks: ranks wait in collective #12 nccl:all_reduce" in text
-    assert "missing: rank 2" in text and "behind: rank 3" in text
+    assert "missing: rank 2" in text and "behind: rank 3" in text and "2 rank(s) waiting" in text
 
 
 def test_members_come_from_the_dump_group(tmp_path):
@@ -179,3 +179,4 @@ def test_corpus_healthy_run_has_no_suspects(ingested_corpus, corpus):
     df = desync(con)
     assert df.height == 2 and df.get_column("source").to_list() == ["nccl_coll", "nccl_coll"]
     assert suspects(con).is_empty()
+    assert describe(con).endswith("2 ranks; 2 rank(s) ok")
