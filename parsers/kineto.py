@@ -16,13 +16,13 @@ process/thread for CPU events, the device/stream for GPU events, and strings
 (``"Collective name"``, ``"In msg nelems"``, ...).
 
 Traces reach several GB, so a file is never loaded whole. :class:`ArrayStream` cuts
-the event array into batches of complete events (a few MB of text each). A batch is
-decoded by polars' JSON decoder in bulk (:func:`frame_from_text`); a batch that does
+the event array into batches of complete events (``BATCH_BYTES`` of text each). A batch
+is decoded by one polars query in bulk (:func:`frame_from_text`); a batch that does
 not fit that mould (a field of an unexpected type, an element that is not an object,
 ``NaN``, a cut that fell inside a string) is decoded element by element with orjson
 instead (:func:`frame_from_values`), keeping what converts and counting the rest.
-Memory is bounded by the batch size. A trace cut off mid-write yields every complete
-event before the cut.
+Memory is bounded by the batch size, not the file size. A trace cut off mid-write
+yields every complete event before the cut.
 
 :mod:`parsers.ray_timeline` reuses the splitter and the row builder for Ray timelines.
 """
@@ -523,17 +523,21 @@ def parse_trailer(tail: bytes) -> tuple[dict, bool]:
 
 # -- decoding batches -----------------------------------------------------------------------
 
-def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
-    """Decode a run of comma-separated event objects in bulk; None when the run is not
-    exactly that (the caller then decodes it element by element).
+def frame_from_text(text: bytes, line: int, sep: bytes) -> tuple[pl.LazyFrame, int] | None:
+    """The query that decodes a run of comma-separated event objects in bulk, and the
+    number of events it must give; None when the text is not UTF-8. Collecting the
+    query fails (or gives another number of rows, or an ``n_args`` above 1) when the run
+    is not exactly that: the caller then decodes it element by element.
 
     The run is split at ``sep``, the file's usual text between two events (``},\n  {``
     in Kineto traces, ``}, {`` in Ray timelines); each piece must then decode as one
     object, which also proves the split right: a separator inside a string or a nested
-    value, or one written differently, leaves a piece that does not decode. ``args`` is
-    kept as written (without line breaks and indentation): the text from the ``"args"``
-    key to the end of the event. That is right only when ``args`` is the event's last
-    key, which decoding that text as one object checks.
+    value, or one written differently, leaves a piece that does not decode, or (polars
+    decodes a column as one comma-joined array) one that decodes to several rows.
+    ``args`` is kept as written (without line breaks and indentation): the text from the
+    ``"args"`` key to the end of the event. That is right only when ``args`` is the
+    event's last key, which decoding that text as one object checks, and when no other
+    ``"args"`` key comes before it (``n_args``).
     """
     try:
         body = text.decode("utf-8")
@@ -542,39 +546,37 @@ def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
     seps = sep.decode()
     pieces = body.replace(seps, seps[0] + _CUT + seps[-1]).split(_CUT)
     lead = body[: len(body) - len(body.lstrip())].count("\n")
-    raw = pl.Series("raw", pieces, dtype=pl.String)
-    del pieces, body
-    rest = (pl.col("raw").str.slice(pl.col("raw").str.find('"args"', literal=True))
+    n = len(pieces)
+    raw = pl.col("raw")
+    rest = (raw.str.slice(raw.str.find('"args"', literal=True))
             .str.strip_chars_end().str.head(-1).str.strip_chars_end()
             .str.replace(r'^"args"[ \t\r\n]*:[ \t\r\n]*', ""))
-    try:
-        df = pl.DataFrame([raw]).select(
-            pl.col("raw").str.json_decode(_TOP_DTYPE).alias("top"),
-            pl.col("raw").str.count_matches('"args"', literal=True).alias("n_args"),
-            rest.str.replace_all(r"[ \t\r]*\n[ \t\r\n]*", "").alias("args"),
-            pl.col("raw").str.count_matches("\n", literal=True).alias("nl"),
-        )
-        if (df.get_column("n_args") > 1).any():
-            return None  # a nested "args" key: leave it to the element-by-element path
-        args = pl.when(pl.col("n_args") == 1).then(pl.col("args"))
-        args = pl.when(args != "null").then(args)
-        df = df.with_columns(args.alias("args")).with_columns(pl.col("args").str.json_decode(_ARGS_DTYPE).alias("a"))
-    except (pl.exceptions.ComputeError, pl.exceptions.ShapeError):
-        # not JSON, or a piece holding several values (polars decodes the column as one
-        # comma-joined array, so `{...}, {...}` in one piece shows up as extra rows)
-        return None
-    if df.height != raw.len():
-        return None
+    n_args = raw.str.count_matches('"args"', literal=True)
+    args = pl.when(n_args == 1).then(rest.str.replace_all(r"[ \t\r]*\n[ \t\r\n]*", ""))
+    args = pl.when(args != "null").then(args)
     # a piece starts on the line after the newlines of the pieces and separators before it
+    nl = pl.col("nl")
     i = pl.int_range(pl.len(), dtype=pl.Int64)
-    start_line = pl.col("nl").cum_sum() - pl.col("nl") + i * sep.count(b"\n") + pl.when(i == 0).then(lead).otherwise(0) + line
-    return df.select(
-        *[pl.col("top").struct.field(k).alias(c) for k, (c, _) in _TOP.items()],
-        "args",
-        *[pl.col("a").struct.field(k).alias(c) for k, (c, _) in _ARGS.items()],
-        start_line.cast(pl.Int64).alias("line_no"),
-        pl.col("top").is_null().alias("_invalid"),  # an element `null`
+    start_line = nl.cum_sum() - nl + i * sep.count(b"\n") + pl.when(i == 0).then(lead).otherwise(0) + line
+    query = (
+        pl.LazyFrame({"raw": pieces}, schema={"raw": pl.String})
+        .select(
+            raw.str.json_decode(_TOP_DTYPE).alias("top"),
+            n_args.alias("n_args"),
+            args.alias("args"),
+            raw.str.count_matches("\n", literal=True).alias("nl"),
+        )
+        .with_columns(pl.col("args").str.json_decode(_ARGS_DTYPE).alias("a"))
+        .select(
+            *[pl.col("top").struct.field(k).alias(c) for k, (c, _) in _TOP.items()],
+            "args",
+            *[pl.col("a").struct.field(k).alias(c) for k, (c, _) in _ARGS.items()],
+            start_line.cast(pl.Int64).alias("line_no"),
+            pl.col("top").is_null().alias("_invalid"),  # an element `null`
+            "n_args",
+        )
     )
+    return query, n
 
 
 @dataclass
@@ -702,16 +704,16 @@ def wall_clock(ts_us: pl.Expr, base_us: float | None) -> pl.Expr:
             .cast(pl.Int64).cast(pl.Datetime("us")))
 
 
-def finish(df: pl.DataFrame, st: FileState) -> pa.Table:
-    """Add the file-level columns and the derived ones: ``trace_events`` rows."""
-    n = df.height
+def finish(query: pl.LazyFrame, st: FileState, n: int) -> pl.LazyFrame:
+    """Add the file-level columns and the derived ones to the ``n`` decoded events of
+    ``query``: ``trace_events`` rows, numbered from ``st.seq``."""
     cat = pl.col("cat")
     category = (pl.when(pl.col("_invalid")).then(pl.lit("invalid"))
                 .when(pl.col("ph") == "M").then(pl.lit("metadata"))
                 .when(cat.is_null()).then(pl.lit("uncategorized"))
                 .otherwise(cat))
     gpu = pl.col("category").is_in(GPU_CATEGORIES)
-    out = df.with_columns(
+    return query.with_columns(
         category.alias("category"),
         pl.coalesce("external_id", "_external_id_old").alias("external_id"),
     ).with_columns(
@@ -724,8 +726,11 @@ def finish(df: pl.DataFrame, st: FileState) -> pa.Table:
         pl.coalesce("stream", pl.when(gpu).then(pl.col("tid").cast(pl.Int64, strict=False))).alias("stream"),
         pl.coalesce("correlation", pl.when(pl.col("category") == "ac2g").then(pl.col("flow_id"))).alias("correlation"),
     )
-    st.seq += n
-    return out.select([c.name for c in TRACE_EVENTS.columns]).to_arrow().cast(TRACE_EVENTS.arrow_schema)
+
+
+def _rows(df: pl.DataFrame, st: FileState) -> pa.Table:
+    st.seq += df.height
+    return df.select([c.name for c in TRACE_EVENTS.columns]).to_arrow().cast(TRACE_EVENTS.arrow_schema)
 
 
 def decoders(st: FileState) -> tuple[Callable, Callable]:
@@ -736,11 +741,21 @@ def decoders(st: FileState) -> tuple[Callable, Callable]:
         if not seps:  # the file's usual separator, from its first batch
             counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
             seps.append(counts.most_common(1)[0][0] if counts else b"},{")
-        df = frame_from_text(text, line, seps[0])
-        return None if df is None else finish(df, st)
+        decoded = frame_from_text(text, line, seps[0])
+        if decoded is None:
+            return None
+        query, n = decoded
+        try:
+            df = finish(query, st, n).collect()
+        except (pl.exceptions.ComputeError, pl.exceptions.ShapeError):
+            return None
+        if df.height != n or (df.get_column("n_args") > 1).any():
+            return None
+        return _rows(df, st)
 
     def on_values(values: list, lines: np.ndarray | None) -> pa.Table:
-        return finish(frame_from_values(values, lines, st.tally, st.seq), st)
+        df = frame_from_values(values, lines, st.tally, st.seq)
+        return _rows(finish(df.lazy(), st, df.height).collect(), st)
 
     return on_text, on_values
 
