@@ -262,3 +262,32 @@ def test_ts_is_wall_clock_of_the_run(corpus):
     # the profiler's file name carries the epoch nanoseconds it was written at
     written = datetime(1970, 1, 1) + timedelta(microseconds=int(path.name.split(".")[1]) // 1000)
     assert timedelta(0) <= written - first < timedelta(hours=1)
+
+
+def test_trace_written_by_the_torch_profiler(tmp_path):
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule, tensorboard_trace_handler
+
+    out = tmp_path / "profiler"
+    handler = tensorboard_trace_handler(str(out), worker_name="rank0", use_gzip=True)
+    with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1),
+                 on_trace_ready=handler) as prof:
+        for _ in range(4):
+            with record_function("gen"):
+                torch.randn(32, 32) @ torch.randn(32, 32)
+            with record_function("update_actor"):
+                torch.randn(16).sum()
+            prof.step()
+    # the handler writes one trace per profiling cycle; the first holds both steps
+    trace = min(out.glob("*.pt.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    data = gzip.decompress(trace.read_bytes())
+    assert sniff(f"profiler/{trace.name}", data[:4096], compressed=True).format == "kineto_trace"
+    doc = json.loads(data)
+    df, meta, ctx = parse(data, trace.name)
+    assert df.height == len(doc["traceEvents"]) == meta["event_count"] and not ctx.problems
+    assert df["name"].to_list() == [e.get("name") for e in doc["traceEvents"]]
+    annotations = set(df.filter(pl.col("category") == "user_annotation")["name"])
+    assert {"gen", "update_actor"} <= annotations and any(n.startswith("ProfilerStep#") for n in annotations)
+    assert set(df["rank"]) == {0}  # no distributedInfo: from the file name
+    spans = df.filter(pl.col("ph") == "X")
+    assert spans["ts"].null_count() == 0 and spans["line_no"].null_count() == 0
