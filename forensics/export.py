@@ -19,12 +19,12 @@ from typing import IO, Iterable, Sequence
 
 import duckdb
 
-# trace_events categories merged by default: what ran on the GPU, and the spans the
+# PyTorch profiler categories merged by default: what ran on the GPU, and the spans the
 # program marked itself. CPU operators and CUDA API calls are left out unless asked for
-# (they are most of a profiler trace and rarely what a post-mortem looks at).
+# (they are most of a profiler trace and rarely what a post-mortem looks at). Events of
+# other traces (the Ray timeline: tasks and their stages) are all taken.
 DEFAULT_CATEGORIES: tuple[str, ...] = (
     "kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation",
-    "ray_task", "task", "actor_task",
 )
 GPU_CATEGORIES: tuple[str, ...] = ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation")
 LOG_LEVELS: tuple[str, ...] = ("WARNING", "ERROR", "FATAL")
@@ -139,7 +139,7 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
         gpu = ", ".join(_sql_string(c) for c in GPU_CATEGORIES)
         parts.append(f"""
         SELECT
-            CASE WHEN e.rank IS NOT NULL THEN 'rank ' || e.rank ELSE e.source || ' pid ' || e.pid END AS proc_key,
+            CASE WHEN e.rank IS NOT NULL THEN 'rank ' || e.rank ELSE concat_ws(' ', e.source, e.pid) END AS proc_key,
             CASE WHEN e.rank IS NOT NULL THEN 0 ELSE 1 END AS proc_group,
             e.rank AS proc_rank,
             f.node, f.actor AS role,
@@ -160,7 +160,8 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
             SELECT file_id, coalesce(avg(epoch_us(ts) - ts_us), -min(ts_us)) AS offset_us
             FROM trace_events GROUP BY file_id
         ) o USING (file_id)
-        WHERE e.category IN ({cats}) AND e.ph IN ('X', 'i', 'I')
+        WHERE (e.category IN ({cats}) OR (e.source <> 'kineto' AND e.category IS DISTINCT FROM 'metadata'))
+          AND e.ph IN ('X', 'i', 'I')
           AND isfinite(e.ts_us) AND (e.dur_us IS NULL OR isfinite(e.dur_us))""")
     phase_source = phase_span_source(con)
     if phase_source:
@@ -267,14 +268,15 @@ def chrome_trace(
     """Write one Chrome/Perfetto trace (JSON) of the whole run to ``path``.
 
     * one process per rank (named ``node rank N role`` through ``M`` metadata events),
-      plus one per process or file whose log lines name no rank, and one per Ray process;
+      plus one per process or file whose log lines name no rank, and one per Ray node;
     * threads: ``phases`` (phase spans), ``log`` (warning/error lines as instant events,
       ``args.file`` = ``path:line``), one per CPU thread of the traces and one per GPU
       stream (kernels, memcpy/memset, GPU annotations);
     * ``ts`` is microseconds since the earliest event (``otherData.origin_utc``).
 
-    ``categories``: the ``trace_events.category`` values taken (default: GPU work and
-    user annotations; add ``cpu_op``, ``cuda_runtime``, ... for everything).
+    ``categories``: the PyTorch profiler ``trace_events.category`` values taken (default:
+    GPU work and user annotations; add ``cpu_op``, ``cuda_runtime``, ... for everything);
+    the events of other traces (Ray timeline tasks) are always taken.
     Lines without a timestamp cannot be placed and are counted in the summary.
     """
     out_path = str(path)

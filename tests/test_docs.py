@@ -125,3 +125,23 @@ def test_python_equivalents_name_the_public_api():
     public = sorted(n for n in vars(Run) if not n.startswith("_") and callable(getattr(Run, n)))
     missing = [n for n in public if f"run.{n}(" not in python]
     assert not missing, f"docs/cli.md, Python equivalents: Run methods not mentioned: {missing}"
+
+
+def test_schema_doc_is_current():
+    from forensics import schema_doc
+
+    assert schema_doc.DOC.read_text() == schema_doc.render(), "docs/schema.md is stale: run python -m forensics.schema_doc"
+
+
+_CREATED = re.compile(r"CREATE (?:OR REPLACE )?(?:VIEW ([a-z_0-9]+)|MACRO ([a-z_0-9]+)\([^)]*\) AS TABLE)", re.I)
+
+
+def test_every_view_is_documented_with_an_example():
+    from forensics.schema_doc import _view_doc
+    from forensics.store import view_files
+
+    for name, sql in view_files():
+        doc = _view_doc(sql)
+        assert "```sql" in doc, f"forensics/sql/{name}.sql: the leading comment block has no example query"
+        for view, macro in _CREATED.findall(sql):
+            assert f"`{view or macro}" in doc, f"forensics/sql/{name}.sql: {view or macro} is not described in its comment block"
