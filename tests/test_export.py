@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -145,6 +146,62 @@ def test_chrome_trace_log_lines(small_db, tmp_path):
     assert summary.origin_utc == "2026-11-30T00:32:31.200000Z"
     # lines with no rank get one process per file, named after it
     assert sorted(_process_names(events).values()) == ["log other.log", "log train.log"]
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def traces_db(tmp_path_factory) -> Path:
+    """A tiny PyTorch profiler trace (rank 1: ProfilerStep#2, update_actor, an NCCL kernel,
+    a memcpy, a python_function with quotes in its name) and a tiny Ray timeline."""
+    root = tmp_path_factory.mktemp("traces")
+    for src in (FIXTURES / "kineto" / "rank3.tiny.pt.trace.json", FIXTURES / "timeline" / "timeline.json"):
+        shutil.copy(src, root / src.name)
+    db = tmp_path_factory.mktemp("db") / "traces.duckdb"
+    forensics.ingest(root, db=db, workers=1).close()
+    return db
+
+
+def _threads(events: list[dict]) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+
+
+def test_chrome_trace_profiler_and_ray_timeline(traces_db, tmp_path):
+    summary, events = _export_trace(traces_db, tmp_path / "t.json")
+    procs = _process_names(events)
+    threads = _threads(events)
+    rank = next(pid for pid, name in procs.items() if name == "rank 1")
+    by_name = {(e["name"], e["cat"]): e for e in events if e["ph"] != "M" and e["pid"] == rank}
+    kernel = by_name[("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel")]
+    assert threads[(rank, kernel["tid"])] == "GPU 0 stream 7"
+    assert kernel["args"]["Collective name"] == "allreduce" and kernel["dur"] == 1159.5
+    # sub-microsecond offsets survive the move to wall-clock time
+    annotation = by_name[("update_actor", "user_annotation")]
+    assert kernel["ts"] - annotation["ts"] == pytest.approx(300.75, abs=1e-3)
+    assert threads[(rank, annotation["tid"])] == "kineto thread 928"
+    assert ("Memcpy DtoH (Device -> Pageable)", "gpu_memcpy") in by_name
+    assert not any(e.get("cat") == "python_function" for e in events)  # not a default category
+    # the phase the annotation maps to, on the rank's phases track
+    phases = [e for e in events if e.get("cat") == "phase" and e["pid"] == rank]
+    assert [(p["name"], threads[(rank, p["tid"])]) for p in phases] == [("train", "phases")]
+    # the Ray timeline: a process for the node, a track per worker
+    ray = next(pid for pid, name in procs.items() if name == "ray 10.0.0.2")
+    ray_events = [e for e in events if e["pid"] == ray and e["ph"] == "X"]
+    update = next(e for e in ray_events if e["name"] == "update_actor")
+    assert threads[(ray, update["tid"])] == "ray thread worker:15f2291e85904c5a00adb493675b67de4b1c107b5956cef19fa16a51"
+    assert all(threads[(ray, e["tid"])].startswith("ray thread ") for e in ray_events)
+    assert summary.by_kind["trace"] == len([e for e in events if e.get("cat") not in ("phase", None)])
+
+
+def test_chrome_trace_categories(traces_db, tmp_path):
+    out = tmp_path / "t.json"
+    with forensics.open(traces_db) as run:
+        run.export_chrome_trace(out, categories=["python_function"])
+    events = _events(out)
+    names = {e["name"] for e in events if e["ph"] == "X" and e.get("cat") == "python_function"}
+    assert names == {'verl/workers/fsdp_workers.py(512): update_actor "quoted" }, {'}
+    assert not any(e.get("cat") == "kernel" for e in events)
 
 
 def test_chrome_trace_of_empty_database(tmp_path):
