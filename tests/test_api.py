@@ -160,3 +160,25 @@ def test_public_surface_has_docstrings_and_type_hints(fn):
         if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             continue
         assert param.annotation is not inspect.Parameter.empty, f"{fn.__qualname__}({name}) has no type hint"
+
+
+# the tiny profiler trace + Ray timeline database of the export tests
+from tests.test_export import traces_db  # noqa: E402,F401  (a fixture)
+
+
+def test_kernel_views_over_a_profiler_trace(traces_db):  # noqa: F811
+    with forensics.open(traces_db) as r:
+        by_phase = r.sql("SELECT rank, phase, steps, kernel_s, nccl_s, gpu_s, share, events FROM kernel_time_by_phase ORDER BY phase")
+        # the NCCL kernel starts inside update_actor (train) of ProfilerStep#2; the memcpy
+        # after update_actor ended, when no phase was open (idle)
+        # (phase_gpu works on epoch microseconds, exact to 0.25 us at today's dates)
+        us = pytest.approx(3.456e-6, abs=0.25e-6)
+        assert by_phase.rows() == [
+            (1, "idle", 1, us, 0.0, us, pytest.approx(0.003, abs=3e-4), 1),
+            (1, "train", 1, 0.0, pytest.approx(1159.5e-6), pytest.approx(1159.5e-6), pytest.approx(0.997, abs=3e-4), 1),
+        ]
+        top = r.sql("SELECT phase, position, short_name, calls, total_s, ranks FROM top_kernels_by_phase")
+        assert top.rows() == [("train", 1, "ncclDevKernel_AllReduce_Sum_f32_RING_LL", 1, pytest.approx(1159.5e-6), 1)]
+        coll = r.sql("SELECT source, rank, pg_name, coll_name, calls, elements, wait_s FROM collectives_by_rank")
+        # one rank only: nothing to match across ranks, so no wait figures
+        assert coll.rows() == [("trace", 1, "0", "allreduce", 1, 32768000, None)]

@@ -236,3 +236,14 @@ def test_cli_export(small_db, tmp_path):
     res = runner.invoke(app, ["export", "--db", str(small_db)])
     assert res.exit_code == 2
     assert "nothing to export" in res.output
+
+
+def test_straggler_collective_waits_in_views(straggler_db):
+    """The views the trace is drawn from tell the straggler story in numbers: rank 1
+    arrives late at the gradient all-reduces, rank 0 waits for it."""
+    with forensics.open(straggler_db) as run:
+        coll = {(r["rank"], r["coll_name"]): r for r in run.sql("SELECT * FROM collectives_by_rank WHERE source = 'trace'").to_dicts()}
+        assert coll[(0, "allreduce")]["wait_s"] > 0.5 and coll[(1, "allreduce")]["late_s"] > 0.5
+        assert coll[(1, "allreduce")]["wait_s"] < 0.05
+        top = run.sql("SELECT short_name FROM top_kernels_by_phase WHERE phase = 'train' AND position = 1").item()
+        assert top.startswith("ncclDevKernel_AllReduce")

@@ -18,7 +18,7 @@ CREATE OR REPLACE VIEW collectives_by_rank AS
 WITH kernels AS (
     SELECT rank, coalesce(pg_name, '') AS pg_name,
            coalesce(coll_name, nullif(regexp_extract(name, phase_setting('nccl_coll_from_kernel_regex'), 1), ''), name) AS coll_name,
-           coll_in_nelems, (end_us - start_us) / 1e6 AS seconds
+           coll_in_nelems, dur_us / 1e6 AS seconds
     FROM phase_trace
     WHERE source = 'kineto' AND ph = 'X' AND category = 'kernel'
       AND (coll_name IS NOT NULL OR regexp_matches(name, phase_setting('nccl_kernel_regex')))

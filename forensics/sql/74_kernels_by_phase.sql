@@ -30,7 +30,7 @@ FROM per_phase;
 
 CREATE OR REPLACE VIEW top_kernels_by_phase AS
 WITH k AS (
-    SELECT g.file_id, g.rank, g.name, g.start_us, (g.end_us - g.start_us) / 1e6 AS seconds
+    SELECT g.file_id, g.rank, g.name, g.start_us, g.dur_us / 1e6 AS seconds
     FROM phase_trace g
     WHERE g.source = 'kineto' AND g.ph = 'X' AND g.category = 'kernel'
 ), placed AS (
