@@ -126,6 +126,7 @@ def spike(series: list[Series], conf: dict) -> list[Alarm]:
     if not conf:
         return []
     factor, window, min_hist = float(conf["factor"]), int(conf["window"]), int(conf["min_history"])
+    sustain = int(conf.get("sustain", 1))
     out = []
     for s in _matching(series, conf.get("keys") or []):
         hist: list[float] = []
@@ -135,9 +136,14 @@ def spike(series: list[Series], conf: dict) -> list[Alarm]:
             if len(hist) >= min_hist:
                 m = median(hist[-window:])
                 if m > 0 and v >= factor * m:
-                    out.append(s.alarm("training_divergence", "spike", i,
-                                       f"{s.key} = {_fmt(v)} at step {s.steps[i]}, {v / m:.0f}x its recent median {_fmt(m)}"))
-                    break
+                    after = [x for x in s.values[i + 1:i + 1 + window] if x is not None]
+                    held = len(after) >= sustain - 1 and all(_finite(x) and x >= factor * m for x in after[:sustain - 1])
+                    blew_up = any(not _finite(x) for x in after)
+                    if held or blew_up:
+                        out.append(s.alarm("training_divergence", "spike", i,
+                                           f"{s.key} = {_fmt(v)} at step {s.steps[i]}, {v / m:.0f}x its recent median {_fmt(m)}"))
+                        break
+                    continue  # a lone spike that recovered: not part of the history either
             hist.append(v)
     return out
 

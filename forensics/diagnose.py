@@ -370,6 +370,7 @@ class RunFacts:
         self.dedup_lines = int(con.execute("SELECT count(*) FROM lines WHERE repeat IS NOT NULL").fetchall()[0][0])
         row = con.execute("SELECT count(*), max(step) FROM metrics WHERE step >= 1").fetchall()[0]
         self.metric_rows, self.max_step = int(row[0]), row[1]
+        self.logs_metrics = bool(con.execute("SELECT count(*) FROM metrics WHERE step = 0").fetchall()[0][0])
         # when each step was logged, from the stamps of the console lines that carry it
         self.step_times = sorted(con.execute(
             r"""SELECT TRY_CAST(regexp_extract(message, '^step:(\d+) - ', 1) AS BIGINT) AS step, min(ts)
@@ -404,13 +405,22 @@ class RunFacts:
                 self.pid_actor[pid] = actor
         self.node_group = {n: find(n) for n in parent}
         # Ray's memory report lists worker processes as `<pid>\t<GB>\tray::<Class>.<method>`
-        for pid, actor in self.con.execute(
-            r"""SELECT TRY_CAST(regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)', 1) AS BIGINT),
-                       regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)', 2)
+        self.task_methods: dict[int, str] = {}
+        for pid, actor, method in self.con.execute(
+            r"""SELECT TRY_CAST(regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 1) AS BIGINT),
+                       regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 2),
+                       regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 3)
                 FROM lines WHERE contains(message, 'ray::') AND regexp_matches(message, '^\d+\s+[\d.]+\s+ray::\w+')"""
         ).fetchall():
             if pid is not None and actor:
                 self.pid_actor.setdefault(pid, actor)
+                if method and actor not in DRIVER_ACTORS:
+                    self.task_methods.setdefault(pid, method)
+        for pid, actor_class, method in self.con.execute(
+            "SELECT pid, actor_class, method FROM ray_task_errors WHERE pid IS NOT NULL AND method IS NOT NULL ORDER BY file_id, line_no"
+        ).fetchall():
+            if actor_class not in DRIVER_ACTORS and method != "run":
+                self.task_methods.setdefault(pid, method)
         # the order in which each node's raylet started worker processes (actors are created
         # in rank order)
         self.start_order: dict[str, list[int]] = defaultdict(list)
@@ -569,7 +579,7 @@ class RunFacts:
         """Whether the hit comes before the first training step was logged (by position in a
         file that logs steps, else by time); False when that cannot be told."""
         if not self.metric_rows:
-            return False
+            return self.logs_metrics  # the run logs metrics (validation at step 0) but never trained
         if h.file_id in first_metric_line:
             return (h.line_no or 0) < first_metric_line[h.file_id]
         if not self.step_times or h.ts is None:
@@ -679,12 +689,20 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]]) -> str | None:
+_FRAME_LINE = re.compile(r'^\s*File "|ray::\S+ \(pid=\d+|^\s+[\w.<>]+ \([^()]+\.py:\d+\)$')  # python, Ray task, py-spy frames
+
+
+def _phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]], frames_only: bool = False) -> str | None:
     """The phase a traceback (or a task name) implies: an ``override`` phase whose marker
-    matches any line wins; otherwise the deepest (last) line that matches a marker decides."""
+    matches any line wins; otherwise the deepest (last) line that matches a marker decides.
+    ``frames_only``: read only the frame and source lines of a traceback (not the text of
+    the exception, which may list anything, e.g. every process on the node)."""
     if not text:
         return None
     lines = text.split("\n")
+    if frames_only:  # frame lines and the source line printed under each
+        lines = [ln for i, ln in enumerate(lines)
+                 if _FRAME_LINE.search(ln) or (i > 0 and lines[i - 1].lstrip().startswith("File \""))]
     for phase, rx, override in markers:
         if override and any(rx.search(line) for line in lines):
             return phase
@@ -839,11 +857,7 @@ class _Diagnoser:
                 h.task_pid = best[0]
 
     def place(self, hits: list[Hit], facts: RunFacts) -> None:
-        task_methods: dict[int, str] = {}
-        for pid, method in self.con.execute(
-            "SELECT pid, method FROM ray_task_errors WHERE pid IS NOT NULL AND method IS NOT NULL AND method <> 'run' ORDER BY file_id, line_no"
-        ).fetchall():
-            task_methods.setdefault(pid, method)
+        task_methods = facts.task_methods
         bodies_by_proc: dict[int, list[Hit]] = defaultdict(list)
         for h in hits:
             if h.body and h.proc is not None:
@@ -878,7 +892,7 @@ class _Diagnoser:
             # traceback in another file); the failing Ray task's method; training not started
             ph, src = (h.rule.phase, "rule") if h.rule.phase else (None, None)
             if ph is None:
-                ph = _phase_of(h.body or h.message, self.markers)
+                ph = _phase_of(h.body, self.markers, frames_only=True)
                 src = "frames" if ph else None
             if ph is None and h.proc is not None:
                 # the traceback of the same process: the same failure copied to another file,
@@ -889,12 +903,15 @@ class _Diagnoser:
                 for o in sorted(bodies_by_proc.get(h.proc, []), key=near):
                     if o.rule.id != h.rule.id and (o.file_id != h.file_id or abs((o.line_no or 0) - (h.line_no or 0)) > 40):
                         continue
-                    ph = _phase_of(o.body, self.markers)
+                    ph = _phase_of(o.body, self.markers, frames_only=True)
                     if ph:
                         src = "frames"
                         break
             if ph is None and h.proc is not None and h.proc in task_methods:
                 ph, src = _phase_of(task_methods[h.proc], self.markers), "ray_task"
+            if ph is None and h.event_line is None:  # what the line itself talks about ("tool calls")
+                ph = _phase_of(h.message, self.markers)
+                src = "message" if ph else None
             if ph is None and facts.before_first_step(h, first_metric_line):
                 ph, src = "init", "before_first_step"
             h.phase, h.phase_source = ph, src
@@ -1068,6 +1085,15 @@ class _Diagnoser:
         if node is None and rank is not None:
             node = next((facts.pid_node[p] for p, r in facts.pid_rank.items() if r == rank and p in facts.pid_node), None)
         phase = origin.phase or next((h.phase for h in root.hits if h.phase), None)
+        if phase is None:  # other lines of the same failure (the killed worker, the driver's copy)
+            phases = Counter(h.phase for e in [*causes, *fallbacks] if e.cls == cls for h in e.hits
+                             if h.phase and h.phase_source in ("frames", "ray_task", "rule"))
+            if phases:
+                phase = phases.most_common(1)[0][0]
+        if phase is None:  # the step phase the workers' failing Ray tasks were in
+            run_phases = {_phase_of(m, self.markers) for m in facts.task_methods.values()} - {None}
+            if len(run_phases) == 1:
+                phase = run_phases.pop()
         step = origin.step
         if step is None:
             last = None

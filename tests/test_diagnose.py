@@ -183,6 +183,8 @@ def test_detector_spike_and_nonfinite():
     assert nf.step == 8
     calm = _series("actor/grad_norm", [0.4, 0.5, 0.45, 0.42, 0.48, 0.41, 1.9, 2.0])
     assert detectors.spike([calm], div["spike"]) == []
+    lone = _series("actor/grad_norm", [0.4, 0.5, 0.45, 0.42, 0.48, 0.41, 9.0, 0.44, 0.43, 0.47])
+    assert detectors.spike([lone], div["spike"]) == []  # one spike that recovered is not a divergence
 
 
 def test_detector_regime_change_after_lr_jump():
