@@ -131,7 +131,11 @@ def phase_span_source(con: duckdb.DuckDBPyConnection) -> str | None:
 def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_levels: Sequence[str]) -> tuple[str, str | None]:
     """SQL of the unified event list (one row per span / instant, before pid/tid
     numbering) and the phase source used. Columns: proc_key, proc_group, proc_rank,
-    node, role, thread_key, thread_sort, kind, ph, cat, name, abs_us, dur_us, args."""
+    node, role, thread_key, thread_sort, kind, ph, cat, name, base_us, frac_us, dur_us,
+    args. The wall-clock start is ``base_us + frac_us`` microseconds since the epoch, kept
+    apart because one double at today's epoch microseconds resolves only 0.25 us: trace
+    events keep their own clock (``ts_us``) in ``frac_us`` and the file's offset to the
+    epoch in ``base_us``."""
     rel = _relations(con)
     parts: list[str] = []
     if {"source", "rank", "ts", "ts_us", "dur_us", "category"} <= rel.get("trace_events", set()):
@@ -151,15 +155,13 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
             CASE WHEN e.dur_us IS NULL THEN 'i' ELSE 'X' END AS ph,
             e.category AS cat,
             e.name,
-            e.ts_us + o.offset_us AS abs_us,
+            o.offset_us AS base_us,
+            e.ts_us AS frac_us,
             e.dur_us,
             CASE WHEN json_valid(e.args) THEN e.args::JSON END AS args
         FROM trace_events e
         JOIN files f USING (file_id)
-        JOIN (
-            SELECT file_id, coalesce(avg(epoch_us(ts) - ts_us), -min(ts_us)) AS offset_us
-            FROM trace_events GROUP BY file_id
-        ) o USING (file_id)
+        JOIN _ct_offsets o USING (file_id)
         WHERE (e.category IN ({cats}) OR (e.source <> 'kineto' AND e.category IS DISTINCT FROM 'metadata'))
           AND e.ph IN ('X', 'i', 'I')
           AND isfinite(e.ts_us) AND (e.dur_us IS NULL OR isfinite(e.dur_us))""")
@@ -173,7 +175,8 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
             rank AS proc_rank, NULL AS node, NULL AS role,
             'phases' AS thread_key, 1 AS thread_sort, 'phase' AS kind, 'X' AS ph, 'phase' AS cat,
             phase AS name,
-            start_us::DOUBLE AS abs_us,
+            floor(start_us)::BIGINT AS base_us,
+            start_us - floor(start_us) AS frac_us,
             (end_us - start_us)::DOUBLE AS dur_us,
             to_json({{'phase': phase, 'step': step, 'span': name{", " + extra if extra else ""}}}) AS args
         FROM {_ident(phase_source)}
@@ -190,7 +193,8 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
             l.rank AS proc_rank, l.node, l.actor AS role,
             'log' AS thread_key, 0 AS thread_sort, 'log' AS kind, 'i' AS ph, 'log ' || lower(l.level) AS cat,
             l.level || ': ' || left(l.message, 120) AS name,
-            epoch_us(l.ts)::DOUBLE AS abs_us,
+            epoch_us(l.ts) AS base_us,
+            0.0::DOUBLE AS frac_us,
             NULL::DOUBLE AS dur_us,
             to_json({{'file': l.path || ':' || l.line_no, 'level': l.level, 'message': l.message}}) AS args
         FROM (SELECT e.* REPLACE (coalesce(e.rank, m.rank) AS rank)
@@ -205,12 +209,12 @@ def _event_sql(con: duckdb.DuckDBPyConnection, categories: Sequence[str], log_le
 _HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver", "python_function")
 
 
-def _pid_rank_table(cur: duckdb.DuckDBPyConnection) -> None:
+def _pid_rank_table(con: duckdb.DuckDBPyConnection) -> None:
     """Temp tables ``_ct_pid_rank`` (the rank of an OS pid: the rank most evidence agrees
     on, from the profiler traces and from the ``rank_pids`` view) and ``_ct_rank_hints``
     (the node and role most lines of a rank name), so that log lines without a rank
     prefix land on their rank's process and rank processes get a node name."""
-    rel = _relations(cur)
+    rel = _relations(con)
     sources = []
     if {"source", "rank", "pid", "category"} <= rel.get("trace_events", set()):
         cats = ", ".join(_sql_string(c) for c in _HOST_CATEGORIES)
@@ -222,19 +226,39 @@ def _pid_rank_table(cur: duckdb.DuckDBPyConnection) -> None:
     elif "attributed_lines" in rel:
         sources.append("SELECT pid, rank, count(*) AS n FROM attributed_lines WHERE pid IS NOT NULL AND rank IS NOT NULL GROUP BY ALL")
     union = " UNION ALL ".join(sources) if sources else "SELECT NULL::BIGINT AS pid, NULL::INTEGER AS rank, 0 AS n"
-    cur.execute(f"""
+    con.execute(f"""
         CREATE OR REPLACE TEMP TABLE _ct_pid_rank AS
         SELECT pid, arg_max(rank, n) AS rank FROM (
             SELECT pid, rank, sum(n) AS n FROM ({union}) WHERE pid IS NOT NULL AND rank IS NOT NULL GROUP BY pid, rank
         ) GROUP BY pid""")
     if "attributed_lines" in rel:
-        cur.execute("""
+        con.execute("""
             CREATE OR REPLACE TEMP TABLE _ct_rank_hints AS
             SELECT coalesce(a.rank, m.rank) AS rank, mode(a.node) AS node, mode(a.actor) AS role
             FROM attributed_lines a LEFT JOIN _ct_pid_rank m ON m.pid = a.pid AND a.rank IS NULL
             WHERE coalesce(a.rank, m.rank) IS NOT NULL GROUP BY ALL""")
     else:
-        cur.execute("CREATE OR REPLACE TEMP TABLE _ct_rank_hints (rank INTEGER, node VARCHAR, role VARCHAR)")
+        con.execute("CREATE OR REPLACE TEMP TABLE _ct_rank_hints (rank INTEGER, node VARCHAR, role VARCHAR)")
+
+
+def _offsets_table(con: duckdb.DuckDBPyConnection) -> None:
+    """Temp table ``_ct_offsets(file_id, offset_us)``: per trace file, the whole
+    microseconds to add to its clock (``ts_us``) to get epoch microseconds, from the
+    wall-clock ``ts`` of its events. A file without wall-clock times starts at the earliest
+    wall-clock time of the other traces (its place in the run is unknown)."""
+    if {"ts", "ts_us", "file_id"} <= _relations(con).get("trace_events", set()):
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _ct_offsets AS
+            WITH per_file AS (
+                SELECT file_id, round(avg(epoch_us(ts) - ts_us))::BIGINT AS offset_us,
+                       min(ts_us) AS first_us, min(epoch_us(ts)) AS first_epoch
+                FROM trace_events WHERE isfinite(ts_us) GROUP BY file_id
+            )
+            SELECT file_id,
+                   coalesce(offset_us, (SELECT coalesce(min(first_epoch), 0) FROM per_file) - floor(first_us)::BIGINT) AS offset_us
+            FROM per_file""")
+    else:
+        con.execute("CREATE OR REPLACE TEMP TABLE _ct_offsets (file_id INTEGER, offset_us BIGINT)")
 
 
 _METADATA_QUERIES = (
@@ -282,23 +306,37 @@ def chrome_trace(
     out_path = str(path)
     summary = ChromeTraceSummary(path=out_path)
     events_sql, summary.phase_source = _event_sql(con, categories, log_levels)
-    # the caller's connection itself, not a cursor: temp tables (the phase rules a
-    # read-only Run attaches) are visible to their own connection only
-    cur = con
+    # temp tables on the caller's connection itself, not on a cursor: the phase rules a
+    # read-only Run attaches are temp tables, visible to their own connection only
+    tmp = out_path + ".tmp"
     try:
         if "error_lines" in _relations(con):
             levels = ", ".join(_sql_string(lv) for lv in log_levels) or "NULL"
-            summary.unplaced_log_lines = int(cur.execute(
+            summary.unplaced_log_lines = int(con.execute(
                 f"SELECT count(*) FROM error_lines WHERE ts IS NULL AND level IN ({levels})").fetchall()[0][0])
-        _pid_rank_table(cur)
+        _pid_rank_table(con)
+        _offsets_table(con)
         if events_sql:
-            cur.execute(f"CREATE OR REPLACE TEMP TABLE _ct_events AS {events_sql}")
+            con.execute(f"CREATE OR REPLACE TEMP TABLE _ct_raw AS {events_sql}")
         else:
-            cur.execute(
-                "CREATE OR REPLACE TEMP TABLE _ct_events (proc_key VARCHAR, proc_group INTEGER, proc_rank INTEGER, "
+            con.execute(
+                "CREATE OR REPLACE TEMP TABLE _ct_raw (proc_key VARCHAR, proc_group INTEGER, proc_rank INTEGER, "
                 "node VARCHAR, role VARCHAR, thread_key VARCHAR, thread_sort INTEGER, kind VARCHAR, ph VARCHAR, "
-                "cat VARCHAR, name VARCHAR, abs_us DOUBLE, dur_us DOUBLE, args JSON)")
-        cur.execute("""
+                "cat VARCHAR, name VARCHAR, base_us BIGINT, frac_us DOUBLE, dur_us DOUBLE, args JSON)")
+        # time zero: about the earliest event (`ref`, whole microseconds); `rel_us`, the time
+        # since then, stays small enough for sub-microsecond steps
+        con.execute("""
+            CREATE OR REPLACE TEMP TABLE _ct_events AS
+            WITH ref AS (SELECT floor(min(base_us::DOUBLE + frac_us))::BIGINT AS ref_us FROM _ct_raw)
+            SELECT r.*, (r.base_us - ref.ref_us)::DOUBLE + r.frac_us AS rel_us, ref.ref_us
+            FROM _ct_raw r, ref WHERE r.base_us IS NOT NULL""")
+        origin = con.execute(
+            "SELECT min(ref_us) + floor(min(rel_us))::BIGINT, min(rel_us) FROM _ct_events").fetchall()[0]
+        zero = float(origin[1]) if origin[1] is not None else 0.0
+        if origin[0] is not None:
+            summary.origin_utc = con.execute(
+                "SELECT strftime(make_timestamp(?::BIGINT), '%Y-%m-%dT%H:%M:%S.%fZ')", [int(origin[0])]).fetchall()[0][0]
+        con.execute("""
             CREATE OR REPLACE TEMP TABLE _ct_procs AS
             SELECT e.proc_key,
                    row_number() OVER (ORDER BY e.proc_group, e.proc_rank NULLS LAST, e.proc_key)::INTEGER AS pid,
@@ -309,50 +347,46 @@ def chrome_trace(
             FROM (SELECT proc_key, proc_group, proc_rank, mode(node) AS node, mode(role) AS role
                   FROM _ct_events GROUP BY ALL) e
             LEFT JOIN _ct_rank_hints h ON h.rank = e.proc_rank""")
-        cur.execute("""
+        con.execute("""
             CREATE OR REPLACE TEMP TABLE _ct_threads AS
             SELECT proc_key, thread_key,
                    row_number() OVER (PARTITION BY proc_key ORDER BY thread_sort, thread_key)::INTEGER AS tid
             FROM (SELECT DISTINCT proc_key, thread_key, thread_sort FROM _ct_events)""")
-        origin = cur.execute("SELECT min(abs_us) FROM _ct_events").fetchall()[0][0]
-        origin = float(origin) if origin is not None else 0.0
-        if origin:
-            summary.origin_utc = cur.execute(
-                "SELECT strftime(make_timestamp(?::BIGINT), '%Y-%m-%dT%H:%M:%S.%fZ')", [int(origin)]).fetchall()[0][0]
-        summary.processes = [r[0] for r in cur.execute("SELECT name FROM _ct_procs ORDER BY pid").fetchall()]
-        tmp = out_path + ".tmp"
+        summary.processes = [r[0] for r in con.execute("SELECT name FROM _ct_procs ORDER BY pid").fetchall()]
         with open(tmp, "w", encoding="utf-8") as fh:
             fh.write('{"displayTimeUnit": "ms",\n"traceEvents": [\n')
             first = True
             meta = 0
             for query in _METADATA_QUERIES:
-                n, first = _write_batches(fh, cur.execute(query), first)
+                n, first = _write_batches(fh, con.execute(query), first)
                 meta += n
             summary.by_kind["metadata"] = meta
-            kinds = [r[0] for r in cur.execute("SELECT DISTINCT kind FROM _ct_events ORDER BY 1").fetchall()]
+            kinds = [r[0] for r in con.execute("SELECT DISTINCT kind FROM _ct_events ORDER BY 1").fetchall()]
             for kind in kinds:
-                cur.execute(
+                con.execute(
                     """
                     SELECT CASE WHEN e.ph = 'X'
-                        THEN to_json({'name': e.name, 'cat': e.cat, 'ph': 'X', 'ts': round(e.abs_us - ?, 3),
+                        THEN to_json({'name': e.name, 'cat': e.cat, 'ph': 'X', 'ts': round(e.rel_us - ?, 3),
                                       'dur': round(greatest(e.dur_us, 0), 3), 'pid': p.pid, 'tid': t.tid, 'args': e.args})
-                        ELSE to_json({'name': e.name, 'cat': e.cat, 'ph': 'i', 's': 't', 'ts': round(e.abs_us - ?, 3),
+                        ELSE to_json({'name': e.name, 'cat': e.cat, 'ph': 'i', 's': 't', 'ts': round(e.rel_us - ?, 3),
                                       'pid': p.pid, 'tid': t.tid, 'args': e.args}) END
                     FROM _ct_events e
                     JOIN _ct_procs p USING (proc_key)
                     JOIN _ct_threads t USING (proc_key, thread_key)
                     WHERE e.kind = ?
-                    ORDER BY e.abs_us
+                    ORDER BY e.rel_us
                     """,
-                    [origin, origin, kind],
+                    [zero, zero, kind],
                 )
-                n, first = _write_batches(fh, cur, first)
+                n, first = _write_batches(fh, con, first)
                 summary.by_kind[kind] = n
             other = {"generator": "forensics", "origin_utc": summary.origin_utc, "phase_source": summary.phase_source}
             fh.write("\n],\n\"otherData\": " + json.dumps(other) + "}\n")
         os.replace(tmp, out_path)
     finally:
-        for t in ("_ct_events", "_ct_procs", "_ct_threads", "_ct_pid_rank", "_ct_rank_hints"):
-            cur.execute(f"DROP TABLE IF EXISTS {t}")
+        if os.path.exists(tmp):  # failed half-way: leave no partial file behind
+            os.unlink(tmp)
+        for t in ("_ct_raw", "_ct_events", "_ct_procs", "_ct_threads", "_ct_pid_rank", "_ct_rank_hints", "_ct_offsets"):
+            con.execute(f"DROP TABLE IF EXISTS {t}")
     summary.events = sum(summary.by_kind.values())
     return summary

@@ -197,11 +197,14 @@ def test_chrome_trace_profiler_and_ray_timeline(traces_db, tmp_path):
 def test_chrome_trace_categories(traces_db, tmp_path):
     out = tmp_path / "t.json"
     with forensics.open(traces_db) as run:
-        run.export_chrome_trace(out, categories=["python_function"])
+        run.export_chrome_trace(out, categories=["python_function", "cpu_op", "user_annotation"])
     events = _events(out)
     names = {e["name"] for e in events if e["ph"] == "X" and e.get("cat") == "python_function"}
     assert names == {'verl/workers/fsdp_workers.py(512): update_actor "quoted" }, {'}
     assert not any(e.get("cat") == "kernel" for e in events)
+    # offsets finer than a double of epoch microseconds can hold (0.25 us) survive
+    ts = {e["name"]: e["ts"] for e in events if e["ph"] == "X"}
+    assert ts["record_param_comms"] - ts["ProfilerStep#2"] == pytest.approx(199.625, abs=1e-3)
 
 
 def test_chrome_trace_of_empty_database(tmp_path):
