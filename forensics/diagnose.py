@@ -1022,6 +1022,17 @@ class _Diagnoser:
                 notes.append("the run was stopped on purpose (SIGINT/SIGTERM) with no failure before it")
             return Diagnosis("healthy", [], findings, notes=notes, end_evidence=end_ev)
 
+        # a concrete cause explains a collective timeout only if it could have come before it:
+        # one that is stamped clearly after the first watchdog timeout is part of the teardown
+        demoted: list[Event] = []
+        first_timeout = min((h.ts for h in hits if h.rule.id == "nccl_watchdog_timeout" and h.precise), default=None)
+        if first_timeout is not None:
+            explaining = [e for e in causes if e.lo is None or e.lo <= first_timeout + self.SAME_MOMENT]
+            if not explaining and causes:
+                notes.append("concrete errors were logged only after the first collective timeout "
+                             f"({first_timeout:%Y-%m-%d %H:%M:%S}); they are treated as its consequences")
+                demoted.extend(causes)
+                causes = []
         if causes:
             causes.sort(key=self.order_key)
             root = causes[0]
@@ -1030,8 +1041,8 @@ class _Diagnoser:
             fallbacks.sort(key=lambda e: (-self._fallback_tier(e), *self.order_key(e)))
             root = fallbacks[0]
             root = self._prefer_simultaneous(root, [e for e in fallbacks if self._fallback_tier(e) == self._fallback_tier(root)])
-        incident = self._incident(root, causes, fallbacks, symptoms_ev, facts, hits)
-        others = self._alternatives(root, causes, incident)
+        incident = self._incident(root, causes, fallbacks + demoted, symptoms_ev, facts, hits)
+        others = self._alternatives(root, causes or demoted, incident)
         return Diagnosis("failed", [incident, *others], findings, notes=notes)
 
     @staticmethod
@@ -1073,6 +1084,8 @@ class _Diagnoser:
         # rank that hung (or died silently) outside the collective
         if root.role == "fallback" and cls == "nccl_timeout":
             missing = self._missing_rank(hits, facts)
+            if missing is None:
+                missing = self._lagging_rank(root)
             if missing is not None:
                 cls = "rank_hang"
                 derived_note = (f"every rank but {missing} reported the collective timeout; rank {missing} never reached "
@@ -1141,6 +1154,24 @@ class _Diagnoser:
         return RootCause(id=cls, confidence=conf, rank=rank, node=node, phase=phase, step=step, evidence=evidence,
                          symptoms=sym_classes, remediation=remediation, title=title, summary=summary,
                          cascade=cascade, notes=notes, rank_source=rank_source)
+
+    def _lagging_rank(self, root: Event) -> int | None:
+        """The one rank the desync analysis (``desync`` view, when present) finds behind the
+        others in the timed-out group: it never enqueued the collective or a desync report
+        named it."""
+        if not _table_exists(self.con, "desync"):
+            return None
+        try:
+            rows = self.con.execute("SELECT DISTINCT rank FROM desync WHERE status = 'behind' AND rank IS NOT NULL").fetchall()
+        except duckdb.Error as exc:
+            if "does not exist" in str(exc) or "not found" in str(exc):
+                return None
+            raise
+        behind = {r for (r,) in rows}
+        timed_out = {h.rank for h in root.hits if h.rank is not None}
+        if len(behind) == 1 and not behind & timed_out:
+            return behind.pop()
+        return None
 
     def _missing_rank(self, hits: list[Hit], facts: RunFacts) -> int | None:
         world = facts.world_size()
@@ -1294,7 +1325,9 @@ class _Diagnoser:
         ordered = sorted(by_desc.items(), key=lambda kv: min((h.ts or datetime.max) for h in kv[1]))
         for desc, hs in ordered[:12]:
             ranks = sorted({h.rank for h in hs if h.rank is not None})
-            who = _ranks_text(ranks) if ranks else ("driver" if all(h.fmt in ("driver", "text") for h in hs) else f"{len(hs)} line(s)")
+            files = sorted({h.path for h in hs})
+            who = (_ranks_text(ranks) if ranks else "driver" if all(h.fmt == "driver" for h in hs)
+                   else files[0] if len(files) == 1 else f"{len(files)} files")
             same = all(h.cls == cls for h in hs)
             lines.append(f"{who}: {desc}" + (" (the same failure seen by other processes)" if same else f" — caused by {cause}"))
         return lines
