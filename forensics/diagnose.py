@@ -1004,6 +1004,8 @@ class _Diagnoser:
         for a in alarms:
             causes.append(self._alarm_event(a))
 
+        # a generic exception after which training went on (more steps logged) was handled
+        fallbacks = [e for e in fallbacks if e.weight > 0.3 or not self._training_went_on(e, facts)]
         end_ts = max((h.ts for h in ends if h.ts is not None), default=None)
         stop_ts = stops[0].ts if stops else None
         if ends:
@@ -1041,9 +1043,39 @@ class _Diagnoser:
             fallbacks.sort(key=lambda e: (-self._fallback_tier(e), *self.order_key(e)))
             root = fallbacks[0]
             root = self._prefer_simultaneous(root, [e for e in fallbacks if self._fallback_tier(e) == self._fallback_tier(root)])
+            stalled = self._stalled_capture(hits) if root.cls in ("nccl_timeout", "weight_sync_timeout") else None
+            if stalled is not None:
+                # the others waited in a collective while this process never finished capturing
+                # CUDA graphs: the hang is in capture
+                stalled.cls = "cuda_graph"
+                root = Event(cls="cuda_graph", hits=[stalled], role="cause")
+                notes.append(f"{stalled.path}:{stalled.line_no}: CUDA graph capture began and never finished; "
+                             "the collective timeouts of the other processes follow from it")
         incident = self._incident(root, causes, fallbacks + demoted, symptoms_ev, facts, hits)
         others = self._alternatives(root, causes or demoted, incident)
         return Diagnosis("failed", [incident, *others], findings, notes=notes)
+
+    def _training_went_on(self, e: Event, facts: RunFacts) -> bool:
+        h = e.origin
+        row = self.con.execute("SELECT count(*) FROM metrics WHERE step >= 1 AND file_id = ? AND line_no > ?",
+                               [h.file_id, h.line_no or 0]).fetchall()[0][0]
+        if row:
+            return True
+        return bool(e.hi and facts.step_times and facts.step_times[-1][1] > e.hi)
+
+    def _stalled_capture(self, hits: list[Hit]) -> Hit | None:
+        """A process that began CUDA graph capture and never reported it finished."""
+        started: dict[int, Hit] = {}
+        done: set[int] = set()
+        for h in hits:
+            if h.proc is None:
+                continue
+            if h.rule.id == "cuda_graph_capture_progress":
+                started.setdefault(h.proc, h)
+            elif h.rule.id == "cuda_graph_capture_done":
+                done.add(h.proc)
+        stalled = [h for p, h in started.items() if p not in done]
+        return stalled[0] if len(stalled) == 1 else None
 
     @staticmethod
     def _fallback_tier(e: Event) -> float:
@@ -1084,12 +1116,18 @@ class _Diagnoser:
         # rank that hung (or died silently) outside the collective
         if root.role == "fallback" and cls == "nccl_timeout":
             missing = self._missing_rank(hits, facts)
-            if missing is None:
-                missing = self._lagging_rank(root)
             if missing is not None:
-                cls = "rank_hang"
                 derived_note = (f"every rank but {missing} reported the collective timeout; rank {missing} never reached "
                                 f"the collective (stuck outside it, or died without a trace)")
+            else:
+                missing = self._lagging_rank(root)
+                if missing is None:
+                    missing = self._behind_by_counters()
+                if missing is not None:
+                    derived_note = (f"rank {missing} never enqueued the collective the other ranks timed out in "
+                                    "(its watchdog counters / the desync analysis show it behind): it was stuck outside the collective")
+            if missing is not None:
+                cls = "rank_hang"
         if cls == "rank_hang" and derived_note:
             rank, rank_source = missing, "missing_from_cascade"  # type: ignore[possibly-undefined]
         else:
@@ -1118,6 +1156,11 @@ class _Diagnoser:
                 step = last + 1
 
         evidence = self._evidence(root, causes + fallbacks, cls)
+        if derived_note:  # the lagging rank's own lines, when it printed any, come first
+            own = sorted((h for h in hits if h.rank == rank and h.rule.role in ("fallback", "cause")),
+                         key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+            if own:
+                evidence = [own[0].evidence(), *[e for e in evidence if (e.file, e.line) != (own[0].path, own[0].line_no)]][:6]
         # symptoms: the other classes seen after the root
         root_keys = {id(h) for h in root.hits}
         sym_classes: list[str] = []
@@ -1172,6 +1215,23 @@ class _Diagnoser:
         if len(behind) == 1 and not behind & timed_out:
             return behind.pop()
         return None
+
+    def _behind_by_counters(self) -> int | None:
+        """The one rank whose watchdog counters show it never enqueued the collective the
+        others timed out in (``last enqueued NCCL work`` below that work's sequence number)."""
+        rows = self.con.execute(
+            "SELECT coalesce(pg, '0'), rank, work, last_enqueued FROM watchdog_progress WHERE rank IS NOT NULL AND work IS NOT NULL").fetchall()
+        by_pg: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+        for pg, rank, work, enq in rows:
+            by_pg[pg].append((rank, work, enq))
+        behind: set[int] = set()
+        for pg, items in by_pg.items():
+            seq = Counter(w for _, w, _ in items).most_common(1)[0][0]
+            lag = {r for r, _, enq in items if enq is not None and enq < seq}
+            ok = {r for r, _, enq in items if enq is not None and enq >= seq}
+            if lag and ok and not lag & ok:
+                behind |= lag
+        return behind.pop() if len(behind) == 1 else None
 
     def _missing_rank(self, hits: list[Hit], facts: RunFacts) -> int | None:
         world = facts.world_size()
