@@ -1184,11 +1184,11 @@ class _Diagnoser:
         if root.role == "fallback":
             notes.append("no concrete cause (OOM, crash, hardware, network, data error) was found before this; "
                          "it is reported as the root cause for lack of an earlier one")
+        supported: set[str] = set()
         for h in hits:  # lines that support the reading (the interface NCCL chose, the ROCm platform, ...)
-            if h.rule.role == "context" and h.cls == cls:
-                note = f"supporting: {h.rule.title or h.rule.id} ({h.path}:{h.line_no}: {_clip(h.message, 120)})"
-                if note not in notes and len(notes) < 4:
-                    notes.append(note)
+            if h.rule.role == "context" and h.cls == cls and h.rule.id not in supported and len(supported) < 3:
+                supported.add(h.rule.id)
+                notes.append(f"supporting: {h.rule.title or h.rule.id} ({h.path}:{h.line_no}: {_clip(h.message, 120)})")
         notes.extend(self._time_notes(root, origin))
         notes.extend(self._missing_evidence_notes(cls, facts, root))
         summary = self._summary(root, cls, rank, origin)
@@ -1352,7 +1352,8 @@ class _Diagnoser:
         info = self.cat.classes.get(cls)
         if info:
             for d in info.debug:
-                if not any(d[:40] in n for n in notes):
+                names = set(re.findall(r"[A-Za-z_]+(?:[._=][A-Za-z_]+)+", d))
+                if not any(name in n for n in notes for name in names):
                     notes.append(d)
         return notes
 
@@ -1402,11 +1403,16 @@ class _Diagnoser:
         if info:
             items.extend(r for r in info.remediation if r not in items)
         out: list[str] = []
+        keys: set[str] = set()
         for r in items:
+            if r.key and r.key in keys:
+                continue  # the rule's own advice on this key comes first
             text = _remedy_text(r, config)
             if text and text not in out:
                 out.append(text)
-        return out
+                if r.key:
+                    keys.add(r.key)
+        return out[:8]
 
     def _alternatives(self, root: Event, causes: list[Event], incident: RootCause) -> list[RootCause]:
         """Other concrete causes of a different class: listed after the root cause with a
@@ -1480,6 +1486,8 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def _fmt_value(v: Any) -> str:
+    if v is None:
+        return "unset"
     if isinstance(v, bool):
         return "True" if v else "False"
     if isinstance(v, float):
