@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import sys
 from typing import List, Optional
 
 import duckdb
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 
 from . import pipeline
-from .store import StoreLocked
+from .store import StoreError, StoreLocked
 
 app = typer.Typer(
     add_completion=True,
@@ -38,8 +41,18 @@ def _root(debug: bool = typer.Option(False, "--debug", help="Show Python traceba
     State.debug = debug
 
 
+# control characters (terminal escapes in a file name or log excerpt) and bidi overrides
+_UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _shown(text: str) -> str:
+    """Text that comes from the input (file names, log excerpts, error messages quoting
+    them) made safe to print: rich markup escaped, control characters shown as ``\\xNN``."""
+    return escape(_UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}", text))
+
+
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    err.print(f"[red]error:[/red] {_shown(message)}", markup=True, highlight=False)
     raise typer.Exit(code)
 
 
@@ -62,20 +75,33 @@ def ingest(
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
+    # a polite kill (timeout, scheduler, docker stop) ends like Ctrl-C: the open
+    # transaction is rolled back and the temporary folder removed
+    on_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if show_progress:
             with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
                 task = bar.add_task("", total=None)
 
                 def progress(done: int, total: int, rel: str) -> None:
-                    bar.update(task, completed=done, total=total, description=rel[-60:])
+                    bar.update(task, completed=done, total=total, description=_shown(rel[-60:]))
 
                 summary = pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
         else:
             summary = pipeline.ingest(paths, db, workers=workers or None, debug=State.debug, exclude=exclude)
-    except StoreLocked as exc:
+    except (StoreError, pipeline.IngestError) as exc:
         _fail(str(exc))
         return
+    except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
+        if State.debug:
+            raise
+        _fail(f"cannot write the database {db}: {exc}")
+        return
+    except KeyboardInterrupt:
+        _fail("interrupted: the files loaded so far are committed; run the same command again to load the rest", 130)
+        return
+    finally:
+        signal.signal(signal.SIGTERM, on_term)
     headline = _headline(db)
     if as_json:
         payload = {
@@ -88,7 +114,7 @@ def ingest(
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
     for m in summary.messages:
-        err.print(f"[yellow]![/yellow] {m}", markup=True, highlight=False)
+        err.print(f"[yellow]![/yellow] {_shown(m)}", markup=True, highlight=False)
     if not quiet:
         t = RichTable(title=f"ingested into {summary.db}", show_edge=False)
         t.add_column("format")
@@ -147,7 +173,7 @@ def query(
     except FileNotFoundError as exc:
         _fail(str(exc))
         return
-    except StoreLocked as exc:
+    except StoreError as exc:  # locked by an ingest, not a DuckDB file, ...
         _fail(str(exc))
         return
     try:
@@ -345,7 +371,7 @@ def main() -> None:
     except Exception as exc:
         if State.debug or os.environ.get("FORENSICS_DEBUG"):
             raise
-        err.print(f"[red]internal error:[/red] {exc.__class__.__name__}: {exc} (run with --debug for the traceback)", markup=True, highlight=False)
+        err.print(f"[red]internal error:[/red] {_shown(f'{exc.__class__.__name__}: {exc}')} (run with --debug for the traceback)", markup=True, highlight=False)
         sys.exit(1)
 
 

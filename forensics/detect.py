@@ -64,20 +64,30 @@ def node_from_path(rel: str) -> str | None:
     return None
 
 
-_CONTROL_BYTES = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27))
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in (9, 10, 11, 12, 13, 27)) + b"\x7f"
+_MAGIC = (b"\x7fELF", b"MZ", b"PK\x03\x04", b"\x89PNG", b"\x89HDF", b"SQLite format 3\x00", b"\x93NUMPY", b"PAR1",
+          b"\xfd7zXZ", b"BZh", b"\x28\xb5\x2f\xfd", b"7z\xbc\xaf\x27\x1c")
 
 
 def _looks_binary(head: bytes) -> bool:
+    """Binary unless the first 8 KiB read as text. A log may hold NUL bytes (a writer
+    killed mid-write, a zero-filled tail after a crash): NUL runs at either end of the
+    sample are left out, and NULs elsewhere make it binary only in bulk (UTF-16 text
+    has one every other byte) or with the other control bytes every binary format has."""
     if not head:
         return False
-    if head.startswith((b"\x7fELF", b"MZ", b"PK\x03\x04", b"\x89PNG")):
+    if head.startswith(_MAGIC):
         return True
-    sample = head[:8192]
-    if b"\x00" in sample:
-        # UTF-16 text also has NULs; treat it as binary too (we read UTF-8 logs)
+    sample = head[:8192].strip(b"\x00")
+    if not sample:
+        return True  # nothing but NUL bytes
+    nuls = sample.count(b"\x00")
+    other = len(sample) - len(sample.translate(None, _CONTROL_BYTES)) - nuls
+    if other > len(sample) * 0.1 or nuls > len(sample) * 0.3:
         return True
-    controls = len(sample) - len(sample.translate(None, _CONTROL_BYTES))
-    return controls > len(sample) * 0.1
+    if other > len(sample) * 0.01:
+        return nuls > 0 or sample.decode("utf-8", "replace").count("\ufffd") > len(sample) * 0.3
+    return False
 
 
 def _first_json_line(head: bytes) -> bytes:
@@ -94,7 +104,7 @@ def sniff(rel: str, head: bytes, compressed: bool = False, size: int | None = No
     if size == 0 or (not head and not compressed):
         return Detected("empty", "skipped", reason="empty file", **base)
     if compressed and not head:
-        return Detected("binary", "skipped", reason="gzip data that does not decompress", **base)
+        return Detected("binary", "skipped", reason="gzip data that does not decompress (cut off or corrupt), or nothing in it", **base)
     if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
         return Detected("flight_recorder", "structured", **base)
     stripped = head.lstrip()
@@ -110,8 +120,11 @@ def sniff(rel: str, head: bytes, compressed: bool = False, size: int | None = No
         return Detected("text", "text", **base)
     if stripped[:1] == b"[" and b'"ph"' in head[:8192] and (b'"ts"' in head[:8192] or b'"name"' in head[:8192]):
         return Detected("ray_timeline", "structured", **base)
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return Detected("binary", "skipped", reason="UTF-16 text (logs are read as UTF-8; convert it with iconv to ingest it)", **base)
     if _looks_binary(head):
-        return Detected("binary", "skipped", reason="binary content (not a text log)", **base)
+        reason = "only NUL bytes (a zero-filled file)" if not head.strip(b"\x00") else "binary content (not a text log)"
+        return Detected("binary", "skipped", reason=reason, **base)
     return Detected(_text_kind(name, rel, head, hints), "text", **base)
 
 

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import multiprocessing
 import os
+import re
 import shutil
+import signal
 import stat
 import tarfile
 import tempfile
+import threading
 import time
 import traceback
 import zipfile
+import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,6 +39,12 @@ from .store import FILES, PROBLEMS, Store, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
+TMP_PREFIX = "forensics-"  # the ingest's temporary folder: forensics-<pid>-<random>
+
+
+class IngestError(RuntimeError):
+    """The ingest cannot go on (e.g. its temporary folder cannot be written); the
+    message says why, in words. Files committed before it stay in the database."""
 
 
 @dataclass
@@ -63,6 +74,8 @@ class FileResult:
     ends_with_newline: bool
     error: str | None = None
     debug: str | None = None
+    bytes_read: int | None = None  # bytes of the file read (and hashed); None: the planned size
+    unreadable: str | None = None  # the file could not be opened when it was to be parsed
 
 
 @dataclass
@@ -101,7 +114,7 @@ def _safe_member_path(dest: Path, name: str) -> Path | None:
 def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
     """Extract a tar/zip bundle into ``dest``; members that would land outside it
     (absolute paths, ``..``, links pointing out, devices) are skipped and reported."""
-    name = os.path.basename(bundle)
+    name = storable(os.path.basename(bundle))
     if bundle.lower().endswith(".zip"):
         with zipfile.ZipFile(bundle) as zf:
             for info in zf.infolist():
@@ -146,22 +159,33 @@ def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
                 shutil.copyfileobj(src, out)
 
 
+def storable(path: str) -> str:
+    """A path as stored and shown: a file name that is not UTF-8 (its bytes come to
+    Python as surrogates) gets U+FFFD for the bytes that do not decode."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def walk(root: str, messages: list[str], skip: set[str]) -> Iterator[tuple[str, str]]:
-    """Yield (absolute path, relative path) of the regular files under ``root``."""
+    """Yield (absolute path, relative path) of the regular files under ``root``; the
+    relative path is :func:`storable`, the absolute one opens the file."""
     root_p = os.path.abspath(root)
     if os.path.isfile(root_p):
-        yield root_p, os.path.basename(root_p)
+        yield root_p, storable(os.path.basename(root_p))
         return
-    for dirpath, dirnames, filenames in os.walk(root_p, followlinks=False, onerror=lambda e: messages.append(f"cannot list {e.filename}: {e.strerror}")):
+    for dirpath, dirnames, filenames in os.walk(root_p, followlinks=False, onerror=lambda e: messages.append(f"cannot list {storable(e.filename)}: {e.strerror}")):
         dirnames.sort()
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
             if os.path.islink(full):
-                messages.append(f"{os.path.relpath(full, root_p)}: symlinked folder not followed")
+                messages.append(f"{storable(os.path.relpath(full, root_p))}: symlinked folder not followed")
                 dirnames.remove(d)
         for fname in sorted(filenames):
             full = os.path.join(dirpath, fname)
-            rel = os.path.relpath(full, root_p).replace(os.sep, "/")
+            rel = storable(os.path.relpath(full, root_p).replace(os.sep, "/"))
             if os.path.abspath(full) in skip:
                 continue
             try:
@@ -181,13 +205,14 @@ class _HashingReader:
     """Wrap a raw file: hash every byte read, remember the last one."""
 
     def __init__(self, fh, hasher):
-        self.fh, self.hasher, self.last = fh, hasher, b""
+        self.fh, self.hasher, self.last, self.count = fh, hasher, b"", 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.fh.read(n)
         if data:
             self.hasher.update(data)
             self.last = data[-1:]
+            self.count += len(data)
         return data
 
     def readinto(self, b):  # for gzip / io wrappers
@@ -205,8 +230,48 @@ class _HashingReader:
         self.fh.close()
 
 
+class _ReadGuard:
+    """The stream a parser reads. A read that fails (compressed data cut off or corrupt,
+    an I/O error of a dying disk) ends the stream instead of raising, after everything
+    decoded before the failure was handed out; the failure becomes a ``truncated``
+    problem of the file at once, so the parser sees a clean end of data."""
+
+    def __init__(self, inner, ctx: FileContext):
+        self.inner, self.ctx, self.error = inner, ctx, None
+        # read1 returns what one decompression step gives; a read(n) that fails midway
+        # would drop what it had decoded before the failure
+        self._step = getattr(inner, "read1", None) or inner.read
+        self.pos = 0
+
+    def read(self, n: int | None = -1) -> bytes:
+        if self.error is not None:
+            return b""
+        if n is None or n < 0:
+            return b"".join(iter(lambda: self.read(HASH_BLOCK), b""))
+        parts, got = [], 0
+        while got < n:
+            try:
+                block = self._step(n - got)
+            except (OSError, EOFError, det.zlib.error) as exc:
+                self.error = exc
+                self.ctx.truncated = True
+                self.ctx.problem(f"stopped reading after {self.pos + got:,} byte(s): {exc.__class__.__name__}: {exc}; "
+                                 "what was read before was loaded", None, "truncated")
+                break
+            if not block:
+                break
+            parts.append(block)
+            got += len(block)
+        self.pos += got
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def readable(self) -> bool:
+        return True
+
+
 def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
-    """Parse one file into Arrow IPC parts under ``spool``. Never raises."""
+    """Parse one file into Arrow IPC parts under ``spool``. Never raises, except
+    :class:`IngestError` (the spool cannot be written)."""
     d = task.detected
     ctx = FileContext(
         file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
@@ -215,46 +280,50 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
     )
     parts: dict[str, list[str]] = {}
     hasher = hashlib.sha256()
-    sha = ""
-    ends_nl = False
-    error = None
-    dbg = None
     try:
-        parse = parsers.parser_for(d.format)
-        if parse is None:
-            raise LookupError(f"no parser for format {d.format}")
-        with open(task.abs_path, "rb") as raw:
+        raw = open(task.abs_path, "rb")
+    except OSError as exc:  # vanished or made unreadable since it was planned
+        return FileResult(task, {}, [], 0, 0, False, "", False, unreadable=f"cannot read ({exc.strerror or exc})")
+    sha, ends_nl, error, dbg = "", False, None, None
+    with raw:
+        reader = _HashingReader(raw, hasher)
+        try:
+            parse = parsers.parser_for(d.format)
+            if parse is None:
+                raise LookupError(f"no parser for format {d.format}")
             if task.start_offset and not d.compressed:
                 # a grown file: hash the old prefix too (the store compares it)
-                remaining = task.start_offset
-                while remaining:
-                    block = raw.read(min(HASH_BLOCK, remaining))
-                    if not block:
-                        break
-                    hasher.update(block)
-                    remaining -= len(block)
-            reader = _HashingReader(raw, hasher)
-            stream = det.gzip.GzipFile(fileobj=reader, mode="rb") if d.compressed else reader
+                while reader.count < task.start_offset and reader.read(min(HASH_BLOCK, task.start_offset - reader.count)):
+                    pass
+                if reader.count < task.start_offset:  # it shrank since it was planned: read it all again
+                    raw.seek(0)
+                    hasher = reader.hasher = hashlib.sha256()
+                    reader.count = 0
+                    task.start_line, task.start_offset, task.replace_from_line = 1, 0, None
+                    ctx.start_line, ctx.start_offset = 1, 0
+            inner = det.gzip.GzipFile(fileobj=reader, mode="rb") if d.compressed else reader
+            stream = _ReadGuard(inner, ctx)
             _spool(parse(stream, ctx), spool, f"{task.file_id}", parts)
-            # drain what the parser did not read, so the hash covers the whole file
+            # read what the parser left, so the hash covers the whole file
             while reader.read(HASH_BLOCK):
                 pass
             ends_nl = reader.last == b"\n" if not d.compressed else True
-        sha = hasher.hexdigest()
-    except (EOFError, OSError, det.zlib.error) as exc:
-        # truncated gzip and the like: keep what was parsed before the failure
-        ctx.truncated = True
-        ctx.problem(f"stopped reading: {exc.__class__.__name__}: {exc}", None, "truncated")
-        sha = _file_sha_or_empty(task.abs_path)
-    except Exception as exc:  # a parser bug: report it for this file, go on with the others
-        error = f"{exc.__class__.__name__}: {exc}"
-        dbg = traceback.format_exc()
-        sha = _file_sha_or_empty(task.abs_path)
+            sha = hasher.hexdigest()
+        except IngestError:
+            raise
+        except OSError as exc:  # the raw file failed while reading the rest for the hash
+            ctx.truncated = True
+            ctx.problem(f"stopped reading: {exc.__class__.__name__}: {exc}", None, "truncated")
+        except Exception as exc:  # a parser bug: report it for this file, go on with the others
+            error = f"{exc.__class__.__name__}: {exc}"
+            dbg = traceback.format_exc()
+            sha = _file_sha_or_empty(task.abs_path)
     problems = [
         {"file_id": task.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message}
         for p in ctx.problems
     ]
-    return FileResult(task, parts, problems, ctx.lines, ctx.unparsed_lines, ctx.truncated, sha, ends_nl, error, dbg)
+    return FileResult(task, parts, problems, ctx.lines, ctx.unparsed_lines, ctx.truncated, sha, ends_nl, error, dbg,
+                      bytes_read=reader.count)
 
 
 def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]]) -> None:
@@ -270,7 +339,10 @@ def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]]) -> None
         if arrow.num_rows == 0:
             continue
         path = os.path.join(spool, f"{prefix}-{sum(map(len, parts.values())):06d}-{name}.arrow")
-        write_part(path, arrow)
+        try:
+            write_part(path, arrow)
+        except OSError as exc:  # disk full, temporary folder removed: no file can be loaded
+            raise IngestError(f"cannot write the temporary file {path}: {exc.strerror or exc}") from None
         parts.setdefault(name, []).append(path)
 
 
@@ -311,38 +383,52 @@ def make_jobs(tasks: list[FileTask]) -> list[list[FileTask]]:
     return jobs
 
 
+BATCH_READ_LIMIT = 2 * SMALL_FILE  # a batched file read bigger than this grew since it was planned
+
+
 def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult:
-    """Parse one job (runs in a worker process). Never raises."""
+    """Parse one job (runs in a worker process). Never raises, except :class:`IngestError`."""
     if len(job) == 1:
         res = parse_one(job[0], spool, debug)
         return JobResult([res], _kept_parts([res]))
     from parsers.text import parse_text_batch
 
-    sources = []
-    results = []
-    try:
-        for task in job:
-            d = task.detected
+    sources, results, alone = [], [], []
+    for task in job:
+        try:
             with open(task.abs_path, "rb") as fh:
-                data = fh.read()
-            ctx = FileContext(file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
-                              node=d.node, pid=d.pid, rank=d.rank, actor=d.actor)
-            sources.append((data, ctx))
-            results.append(FileResult(task, {}, [], 0, 0, False, hashlib.sha256(data).hexdigest(), data.endswith(b"\n")))
-        parts: dict[str, list[str]] = {}
+                data = fh.read(BATCH_READ_LIMIT + 1)
+        except OSError:
+            alone.append(task)  # vanished or unreadable: parse_one reports it
+            continue
+        if len(data) > BATCH_READ_LIMIT:
+            alone.append(task)  # grew a lot since it was planned: streamed on its own
+            continue
+        d = task.detected
+        ctx = FileContext(file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
+                          node=d.node, pid=d.pid, rank=d.rank, actor=d.actor)
+        sources.append((data, ctx))
+        results.append(FileResult(task, {}, [], 0, 0, False, hashlib.sha256(data).hexdigest(), data.endswith(b"\n"),
+                                  bytes_read=len(data)))
+    parts: dict[str, list[str]] = {}
+    try:
         _spool(parse_text_batch(sources), spool, f"b{job[0].file_id}", parts)
+    except IngestError:
+        raise
     except Exception:
-        # a file the batch could not take (vanished, unreadable, parser bug): parse each
-        # file on its own so that one bad file only fails itself
-        for paths in locals().get("parts", {}).values():
+        # a parser bug on some file of the batch: parse each file on its own so that it
+        # only fails itself
+        for paths in parts.values():
             for p in paths:
                 os.unlink(p)
-        singles = [parse_one(t, spool, debug) for t in job]
-        return JobResult(singles, _kept_parts(singles))
+        parts, results, alone = {}, [], list(job)
     for res, (_, ctx) in zip(results, sources):
         res.lines, res.unparsed = ctx.lines, ctx.unparsed_lines
         res.problems = [{"file_id": ctx.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message} for p in ctx.problems]
-    return JobResult(results, parts)
+    singles = [parse_one(t, spool, debug) for t in alone]
+    for name, paths in _kept_parts(singles).items():
+        parts.setdefault(name, []).extend(paths)
+    return JobResult(results + singles, parts)
 
 
 def _kept_parts(results: list[FileResult]) -> dict[str, list[str]]:
@@ -442,6 +528,33 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
     return task
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def make_tmp_root() -> str:
+    """The ingest's temporary folder (extracted bundles, spooled parts). Folders left by
+    ingests that were killed before they could clean up (SIGKILL, power loss) are
+    removed first: their name carries the pid of their ingest, which is gone."""
+    base = tempfile.gettempdir()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        m = re.fullmatch(re.escape(TMP_PREFIX) + r"(\d+)-\w+", name)
+        full = os.path.join(base, name)
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))) and not os.path.islink(full):
+            shutil.rmtree(full, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=base)
+
+
 def ingest(
     paths: list[str],
     db: str = "forensics.duckdb",
@@ -460,9 +573,10 @@ def ingest(
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
     skip = {db_abs, db_abs + ".wal", db_abs + ".tmp"}
-    tmp_root = tempfile.mkdtemp(prefix="forensics-")
+    tmp_root = make_tmp_root()
     try:
         id_counter = [store.next_file_id()]
+        first_new_id = id_counter[0]
 
         def next_id() -> int:
             v = id_counter[0]
@@ -473,16 +587,16 @@ def ingest(
         skipped_rows: list[dict] = []
         for given in paths:
             if not os.path.exists(given):
-                summary.messages.append(f"{given}: no such file or folder")
+                summary.messages.append(f"{storable(given)}: no such file or folder")
                 continue
-            root = os.path.abspath(given)
-            walk_root = root
-            if os.path.isfile(root) and _is_bundle(root):
+            walk_root = os.path.abspath(given)
+            root = storable(walk_root)  # as stored in files.root
+            if os.path.isfile(walk_root) and _is_bundle(walk_root):
                 dest = Path(tempfile.mkdtemp(prefix="bundle-", dir=tmp_root))
                 try:
-                    extract_bundle(root, dest, summary.messages)
-                except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError) as exc:
-                    summary.messages.append(f"{given}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
+                    extract_bundle(walk_root, dest, summary.messages)
+                except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+                    summary.messages.append(f"{root}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
                 walk_root = str(dest)
             known_files = store.known_files(root)
             for abs_path, rel in walk(walk_root, summary.messages, skip):
@@ -497,10 +611,15 @@ def ingest(
                     summary.files_by_format[decision["format"]] = summary.files_by_format.get(decision["format"], 0) + 1
                 else:
                     tasks.append(decision)
+        empties = sum(1 for row in skipped_rows if row["format"] == "empty")
+        if empties:  # common (Ray writes many empty .err files): one line for all of them
+            summary.messages.append(f"{empties} empty file(s) skipped (status 'skipped', message 'empty file' in `files`)")
         if skipped_rows:
             store.begin()
             try:
                 for row in skipped_rows:
+                    if row["file_id"] < first_new_id:  # known, now empty/binary/unreadable: its old rows go
+                        store.delete_file_rows(row["file_id"], None)
                     store.record_skipped(row)
                 store.commit()
             except BaseException:
@@ -593,7 +712,14 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
         for job in jobs:
             finish(parse_job(job, spool, debug))
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # forkserver, not fork: a process that already ran polars (a notebook, a test run)
+    # has its thread pool, and a forked copy of it can deadlock in the first query
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["forensics.pipeline"])
+    # the parsers watch the read end: it reaches end-of-file when this process is gone
+    alive_r, alive_w = ctx.Pipe(duplex=False)
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r,))
+    try:
         pending: set[Future] = set()
         it = iter(jobs)
         # keep a bounded number of parsed-but-not-loaded jobs in flight
@@ -608,6 +734,31 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
                 nxt = next(it, None)
                 if nxt is not None:
                     pending.add(pool.submit(parse_job, nxt, spool, debug))
+    except BaseException:
+        # interrupted or failed: drop the jobs not started; the running ones end soon
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        alive_r.close()
+        alive_w.close()
+
+
+def _worker_init(ingest_alive) -> None:
+    """Parser processes leave interrupts to the main process, which stops the pool and
+    rolls back the open transaction (a Ctrl-C reaches the whole process group); and
+    they end when the ingest process is gone (killed: ``ingest_alive``, the read end of
+    a pipe only it writes to, reaches end-of-file), instead of waiting forever for work
+    that will not come (they hold the fork server and the queues open themselves)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def watch() -> None:
+        ingest_alive.poll(None)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="forensics-parent-watch", daemon=True).start()
 
 
 def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> tuple[dict, list[dict]]:
@@ -617,7 +768,12 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
     lines_total = res.lines + (task.start_line - 1)
     status = "ok"
     message = None
-    if res.error:
+    kind = d.kind
+    if res.unreadable:
+        status, kind, message, lines_total = "skipped", "skipped", res.unreadable, 0
+        summary.messages.append(f"{task.rel}: {message}")
+        res.problems.append({"file_id": task.file_id, "line_no": None, "kind": "error", "message": message})
+    elif res.error:
         status = "error"
         message = f"parser failed: {res.error}" + (" (partial rows dropped)" if res.parts else "")
         summary.messages.append(f"{task.rel}: {message}" + (f"\n{res.debug}" if debug and res.debug else ""))
@@ -631,8 +787,8 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
         extra = f" (+{len(res.problems) - 1} more)" if len(res.problems) > 1 else ""
         summary.messages.append(f"{task.rel}: {message}{extra}")
     row = {
-        "file_id": task.file_id, "root": task.root, "path": task.rel, "format": d.format, "kind": d.kind,
-        "compressed": d.compressed, "bytes": task.size, "lines": lines_total, "ends_with_newline": res.ends_with_newline,
+        "file_id": task.file_id, "root": task.root, "path": task.rel, "format": d.format, "kind": kind,
+        "compressed": d.compressed, "bytes": task.size if res.bytes_read is None else res.bytes_read, "lines": lines_total, "ends_with_newline": res.ends_with_newline,
         "unparsed_lines": res.unparsed, "parse_errors": len(res.problems), "truncated": res.truncated,
         "sha256": res.sha256, "mtime": _utc(task.mtime), "node": d.node, "pid": d.pid, "rank": d.rank,
         "actor": d.actor, "status": status, "message": message, "ingested_at": _utc(time.time()),
@@ -645,7 +801,7 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
     if not task.is_new:
         store.delete_file_rows(task.file_id, task.replace_from_line)
     summary.files_loaded += 1
-    summary.bytes_read += task.size - task.start_offset
+    summary.bytes_read += (task.size if res.bytes_read is None else res.bytes_read) - task.start_offset
     summary.unparsed_lines += res.unparsed
     summary.files_by_format[d.format] = summary.files_by_format.get(d.format, 0) + 1
     return row, res.problems

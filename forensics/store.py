@@ -123,7 +123,12 @@ def _schema_fingerprint() -> str:
     return h.hexdigest()
 
 
-class StoreLocked(RuntimeError):
+class StoreError(RuntimeError):
+    """The database cannot be opened (not a DuckDB file, unwritable folder, damaged file);
+    the message says why, in words."""
+
+
+class StoreLocked(StoreError):
     """Another process holds the database open for writing."""
 
 
@@ -150,8 +155,13 @@ class Store:
                     f"database {self.path} is in use by another process (another `forensics ingest`?); "
                     "wait for it to finish and run again"
                 ) from None
-            raise
+            raise StoreError(f"cannot open database {self.path}: {text}") from None
+        except duckdb.Error as exc:  # e.g. a file that is not a DuckDB database
+            raise StoreError(f"cannot open database {self.path}: {exc}") from None
         self.read_only = read_only
+        # long statements (the year fix over all lines) would draw DuckDB's own progress
+        # bar on the user's terminal, between ingest's messages
+        self.con.execute("SET enable_progress_bar = false")
         if not read_only:
             self.ensure_schema()
 

@@ -3,7 +3,10 @@
 Every text file becomes rows of the ``lines`` table, one per physical line (lines end
 at ``\\n`` only; a ``\\r`` inside a line does not split it; a last line without
 ``\\n`` still counts). The file is read in bounded chunks cut at a newline, so
-memory does not grow with the file size.
+memory does not grow with the file size. A line longer than ``MAX_LINE_BYTES`` (a
+progress bar that only ever wrote ``\\r``, a dumped blob) is still one row, but its
+``text`` keeps only its first and last ``KEEP_BYTES`` around a marker that says how many
+bytes were left out (and a warning in ``problems``); it is never held whole in memory.
 
 Each chunk goes through the line-format modules in ``LINE_FORMATS`` order. A module
 is a function ``annotate(df, ctx) -> (df, extra_tables)``: it recognises its prefix
@@ -53,41 +56,104 @@ Annotator = Callable[[pl.DataFrame, FileContext], tuple[pl.DataFrame, dict[str, 
 _ANSI = r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07"
 
 
-def iter_chunks(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield byte chunks that end just after a ``\\n`` (the last one may not)."""
+MAX_LINE_BYTES = 2 << 20  # a longer line is stored shortened (see the module doc)
+KEEP_BYTES = (MAX_LINE_BYTES - 256) // 2  # kept at each end of a shortened line; the marker fits in the rest
+
+
+def _utf8_forward(data: bytes, i: int) -> int:
+    """``i`` moved past UTF-8 continuation bytes (at most 3): a cut there splits no character."""
+    for _ in range(3):
+        if i < len(data) and (data[i] & 0xC0) == 0x80:
+            i += 1
+    return i
+
+
+def _utf8_back(data: bytes, i: int) -> int:
+    """``i`` moved back before UTF-8 continuation bytes (at most 3): ``data[:i]`` splits no character."""
+    for _ in range(3):
+        if 0 < i < len(data) and (data[i] & 0xC0) == 0x80:
+            i -= 1
+    return i
+
+
+def shorten_line(head: bytes, tail: bytes, size: int) -> bytes:
+    """What is stored of a line of ``size`` bytes (without its ``\\n``) longer than
+    ``MAX_LINE_BYTES``, given its first ``KEEP_BYTES + 4`` bytes and its last ``KEEP_BYTES``:
+    both ends, cut at character boundaries, around a marker counting the bytes left out."""
+    h = head[: _utf8_back(head, KEEP_BYTES)]
+    t = tail[_utf8_forward(tail, 0) :]
+    return h + b" [... %d bytes of this line not stored ...] " % (size - len(h) - len(t)) + t
+
+
+def iter_chunks(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[bytes, int]]:
+    """Yield ``(data, size)``: ``data`` holds whole lines (it ends just after a ``\\n``; the
+    last one may not) and stands for the next ``size`` bytes of the stream. They differ
+    only for a line longer than ``MAX_LINE_BYTES`` met before its end was read: it comes
+    alone, already shortened (:func:`shorten_line`), and is never held whole."""
     rest = b""
     while True:
         block = stream.read(chunk_bytes)
         if not block:
             if rest:
-                yield rest
+                yield rest, len(rest)
             return
         data = rest + block if rest else block
         cut = data.rfind(b"\n")
         if cut < 0:
             rest = data
-            if len(rest) > 8 * chunk_bytes:  # one enormous line: emit it in pieces
-                yield rest  # a caller sees it as one (long) partial line
-                rest = b""
+            if len(rest) > MAX_LINE_BYTES:
+                line, size, rest = _long_line(rest, stream, chunk_bytes)
+                yield line, size
             continue
-        yield data[: cut + 1]
+        yield data[: cut + 1], cut + 1
         rest = data[cut + 1 :]
 
 
-def split_lines(chunk: bytes, first_line: int, first_offset: int) -> tuple[pl.DataFrame, int]:
-    """Split one chunk into (line_no, byte_offset, text); return also the count of bad bytes."""
+def _long_line(start: bytes, stream: BinaryIO, chunk_bytes: int) -> tuple[bytes, int, bytes]:
+    """Read on to the end of the line that ``start`` (no ``\\n`` in it) begins, keeping only
+    its ends; return (shortened line, bytes of the stream it covers, bytes read after it)."""
+    head, tail, size = start[: KEEP_BYTES + 4], start[-KEEP_BYTES:], len(start)
+    while True:
+        block = stream.read(chunk_bytes)
+        if not block:
+            return shorten_line(head, tail, size), size, b""
+        nl = block.find(b"\n")
+        piece = block if nl < 0 else block[:nl]
+        size += len(piece)
+        tail = piece[-KEEP_BYTES:] if len(piece) >= KEEP_BYTES else (tail + piece)[-KEEP_BYTES:]
+        if nl >= 0:
+            return shorten_line(head, tail, size) + b"\n", size + 1, block[nl + 1 :]
+
+
+def split_lines(
+    chunk: bytes, first_line: int, first_offset: int, size: int | None = None
+) -> tuple[pl.DataFrame, int, list[tuple[int, int]]]:
+    """Split one chunk into (line_no, byte_offset, text); return also the count of lines
+    with undecodable bytes and the (line_no, bytes) of the lines stored shortened.
+    ``size``: the stream bytes the chunk stands for, when :func:`iter_chunks` shortened it."""
     body = chunk[:-1] if chunk.endswith(b"\n") else chunk
+    texts = None
     try:
-        decoded = body.decode("utf-8")
-        bad = 0
-        texts = pl.Series("text", [decoded], dtype=pl.String).str.split("\n").explode()
+        texts = pl.Series("text", [body.decode("utf-8")], dtype=pl.String).str.split("\n").explode()
         sizes = texts.str.len_bytes().cast(pl.Int64)
+        bad = 0
+        if len(body) > MAX_LINE_BYTES and sizes.max() > MAX_LINE_BYTES:
+            texts = None  # a line to shorten: the careful path below
     except UnicodeDecodeError:
+        pass
+    long: list[tuple[int, int]] = []
+    if texts is None:
         raw = body.split(b"\n")
         sizes = pl.Series("sizes", [len(r) for r in raw], dtype=pl.Int64)
+        for i, r in enumerate(raw):
+            if len(r) > MAX_LINE_BYTES:
+                long.append((first_line + i, len(r)))
+                raw[i] = shorten_line(r[: KEEP_BYTES + 4], r[-KEEP_BYTES:], len(r))
         decoded_lines = [r.decode("utf-8", "replace") for r in raw]
         bad = sum(1 for r, d in zip(raw, decoded_lines) if "\ufffd" in d and b"\xef\xbf\xbd" not in r)
         texts = pl.Series("text", decoded_lines, dtype=pl.String)
+    if size is not None and size > len(chunk):
+        long.append((first_line, size - (len(chunk) - len(body))))
     n = len(texts)
     offsets = (sizes + 1).cum_sum().shift(1, fill_value=0) + first_offset
     df = pl.DataFrame(
@@ -97,15 +163,17 @@ def split_lines(chunk: bytes, first_line: int, first_offset: int) -> tuple[pl.Da
             "text": texts,
         }
     )
-    return df, bad
+    return df, bad, long
 
 
-def lines_frame(data: bytes, ctx: FileContext, first_line: int, first_offset: int) -> pl.DataFrame:
+def lines_frame(data: bytes, ctx: FileContext, first_line: int, first_offset: int, size: int | None = None) -> pl.DataFrame:
     """One file's chunk as lines, with the file's id, format and hints as columns (so
     lines of many small files can be annotated together in one frame)."""
-    df, bad = split_lines(data, first_line, first_offset)
+    df, bad, long = split_lines(data, first_line, first_offset, size)
     if bad:
         ctx.problem(f"{bad} line(s) with bytes that are not UTF-8 (kept, shown as U+FFFD)", int(df["line_no"][0]), "warning")
+    for line_no, nbytes in long:
+        ctx.problem(f"line {line_no} is {nbytes:,} bytes long: stored its first and last {KEEP_BYTES:,} bytes only", line_no, "warning")
     return df.with_columns(
         pl.lit(ctx.file_id, pl.Int32).alias("file_id"),
         pl.lit(ctx.fmt, pl.String).alias("_fmt"),
@@ -319,10 +387,10 @@ def parse_text(stream: BinaryIO, ctx: FileContext, chunk_bytes: int = CHUNK_BYTE
     cctx = ChunkContext({ctx.file_id: ctx})
     line_no = ctx.start_line
     offset = ctx.start_offset
-    for chunk in iter_chunks(stream, chunk_bytes):
-        df = lines_frame(chunk, ctx, line_no, offset)
+    for chunk, size in iter_chunks(stream, chunk_bytes):
+        df = lines_frame(chunk, ctx, line_no, offset, size)
         line_no += df.height
-        offset += len(chunk)
+        offset += size
         lines, extras = annotate_chunk(df, cctx)
         yield "lines", lines
         yield from extras.items()
