@@ -336,14 +336,10 @@ def _extract(h: Hit) -> None:
 
 
 def _table_exists(con, name: str) -> bool:
+    """A table or view of that name is visible on the connection (TEMP ones included)."""
     return bool(con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? UNION ALL SELECT count(*) FROM duckdb_views() WHERE view_name = ?",
-        [name, name]).fetchall()[0][0] or con.execute(
-        "SELECT count(*) FROM duckdb_views() WHERE view_name = ?", [name]).fetchall()[0][0])
-
-
-def _frame(con, sql: str, params: list | None = None) -> pl.DataFrame:
-    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table()) if params else pl.from_arrow(con.sql(sql).to_arrow_table())
+        "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name = ?) + (SELECT count(*) FROM duckdb_views() WHERE view_name = ?)",
+        [name, name]).fetchall()[0][0])
 
 
 class RunFacts:
