@@ -123,6 +123,18 @@ def _schema_fingerprint() -> str:
     return h.hexdigest()
 
 
+def quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
+    """Keep DuckDB's own progress bar off the user's terminal: long statements (the year
+    fix over all lines) would draw it between ingest's messages. In a Jupyter kernel DuckDB
+    draws it with ipywidgets and, when those are not installed, refuses the setting; it
+    draws nothing there either, so the refusal is left at that."""
+    try:
+        con.execute("SET enable_progress_bar = false")
+    except duckdb.InvalidInputException as exc:
+        if "progress bar" not in str(exc):
+            raise
+
+
 class StoreError(RuntimeError):
     """The database cannot be opened (not a DuckDB file, unwritable folder, damaged file);
     the message says why, in words."""
@@ -159,9 +171,7 @@ class Store:
         except duckdb.Error as exc:  # e.g. a file that is not a DuckDB database
             raise StoreError(f"cannot open database {self.path}: {exc}") from None
         self.read_only = read_only
-        # long statements (the year fix over all lines) would draw DuckDB's own progress
-        # bar on the user's terminal, between ingest's messages
-        self.con.execute("SET enable_progress_bar = false")
+        quiet_progress_bar(self.con)
         if not read_only:
             self.ensure_schema()
 
