@@ -26,6 +26,7 @@ shape of ``../shared/contract.md``.
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 import re
@@ -241,12 +242,16 @@ class Event:
 
     @property
     def origin(self) -> Hit:
-        """The copy to cite: the process's own file before a driver copy, then the
-        strongest rule, then the earliest line."""
-        def key(h: Hit):
-            own = 0 if (h.fmt in ORIGIN_FORMATS or (h.file_pid is not None and h.file_pid == h.proc)) else 1
-            return (own, -h.rule.weight, h.ts or datetime.max, h.path, h.line_no or 0)
-        return min(self.hits, key=key)
+        """The line to cite: in the process's own file before a driver copy, the earliest
+        line, unless a clearly more specific line of the same moment follows it."""
+        def own(h: Hit) -> int:
+            return 0 if (h.fmt in ORIGIN_FORMATS or (h.file_pid is not None and h.file_pid == h.proc)) else 1
+        best_own = min(own(h) for h in self.hits)
+        pool = [h for h in self.hits if own(h) == best_own]
+        first = min(pool, key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+        better = [h for h in pool if h.path == first.path and h.rule.weight >= first.rule.weight + 0.2
+                  and (h.ts is None or first.ts is None or abs(h.ts - first.ts) <= timedelta(seconds=2))]
+        return max(better, key=lambda h: h.rule.weight) if better else first
 
     @property
     def rank(self) -> int | None:
@@ -966,6 +971,19 @@ class _Diagnoser:
             groups[key].append(h)
         return [Event(cls=k[0], hits=v, role=role) for k, v in groups.items()]
 
+    @classmethod
+    def compare(cls, a: Event, b: Event) -> int:
+        """Earlier first (see :meth:`order_key`); at the same time, file order decides within
+        one file (the earlier line happened first), the more specific line across files."""
+        ka, kb = cls.order_key(a)[:4], cls.order_key(b)[:4]
+        if ka != kb:
+            return -1 if ka < kb else 1
+        oa, ob = a.origin, b.origin
+        if oa.path == ob.path and oa.line_no != ob.line_no:
+            return -1 if (oa.line_no or 0) < (ob.line_no or 0) else 1
+        ra, rb = cls.order_key(a)[4:], cls.order_key(b)[4:]
+        return (ra > rb) - (ra < rb)
+
     @staticmethod
     def order_key(e: Event):
         """Earliest first. A stamp inherited from an earlier line is a lower bound: at an equal
@@ -1032,7 +1050,7 @@ class _Diagnoser:
                 demoted.extend(causes)
                 causes = []
         if causes:
-            causes.sort(key=self.order_key)
+            causes.sort(key=functools.cmp_to_key(self.compare))
             root = causes[0]
             root = self._prefer_simultaneous(root, causes)
         else:
@@ -1086,10 +1104,12 @@ class _Diagnoser:
         if root.lo is None:
             return root
         same = [e for e in pool if e.cls == root.cls and e.lo is not None and abs(e.lo - root.lo) <= self.SAME_MOMENT
-                and (e.precise_any or not root.precise_any)]
-        if len(same) <= 1:
+                and (e.precise_any or not root.precise_any) and e.weight >= root.weight + self.CLEARLY_MORE_SPECIFIC]
+        if not same:
             return root
         return min(same, key=lambda e: (-e.weight, e.lo, e.origin.path, e.origin.line_no or 0))
+
+    CLEARLY_MORE_SPECIFIC = 0.2  # a weaker preamble line gives way; near-equals keep the earliest line
 
     def _alarm_event(self, a: detectors.Alarm) -> Event:
         rule = Rule(id=f"metric_{a.detector}", cls=a.cls, role="cause", patterns=(".",), keywords=(), keywords_ci=(),
