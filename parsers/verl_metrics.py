@@ -78,27 +78,31 @@ def _json_loads(text: str):
     return json.loads(text, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
 
 
-def metric_rows(obj: dict, file_id: int, line_no: int) -> list[dict]:
-    """Rows for one JSONL record, in either layout."""
+def metric_rows(obj: dict, file_id: int, line_no: int, out: dict[str, list] | None = None) -> dict[str, list]:
+    """Columns of the ``metrics`` rows for one JSONL record (either layout), appended to
+    ``out`` (column name -> list) when given."""
+    if out is None:
+        out = {k: [] for k in ("file_id", "line_no", "step", "key", "value", "value_text", "source")}
     step = obj.get("step", obj.get("_step", obj.get("global_step")))
+    step = step if isinstance(step, int) and not isinstance(step, bool) else None
     data = obj.get("data") if isinstance(obj.get("data"), dict) else obj
-    rows = []
     for key, value in data.items():
-        if key in ("step", "_step", "global_step") and data is obj:
+        if data is obj and key in ("step", "_step", "global_step"):
             continue
-        if isinstance(value, bool):
+        if isinstance(value, (bool, int, float)):
             num = float(value)
-        elif isinstance(value, (int, float)):
-            num = float(value)
+            text = repr(value)
         else:
             num = None
-        rows.append({
-            "file_id": file_id, "line_no": line_no, "step": step if isinstance(step, int) else None,
-            "key": str(key), "value": num,
-            "value_text": value if isinstance(value, str) else (repr(value) if num is not None else json.dumps(value)),
-            "source": "jsonl",
-        })
-    return rows
+            text = value if isinstance(value, str) else json.dumps(value)
+        out["file_id"].append(file_id)
+        out["line_no"].append(line_no)
+        out["step"].append(step)
+        out["key"].append(str(key))
+        out["value"].append(num)
+        out["value_text"].append(text)
+        out["source"].append("jsonl")
+    return out
 
 
 def annotate_jsonl(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
@@ -108,7 +112,7 @@ def annotate_jsonl(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     is_jsonl = pl.col("_fmt") == "metrics_jsonl"
     if not df.select(is_jsonl.any()).item():
         return df, {}
-    rows: list[dict] = []
+    cols = metric_rows({}, 0, 0)  # empty columns
     ok: list[tuple[int, int]] = []
     for file_id, line_no, text in df.filter(is_jsonl).select("file_id", "line_no", "text").iter_rows():
         body = text.strip()
@@ -126,12 +130,13 @@ def annotate_jsonl(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
             continue
         ok.append((file_id, line_no))
         if isinstance(obj, dict):
-            rows.extend(metric_rows(obj, file_id, line_no))
+            metric_rows(obj, file_id, line_no, cols)
     if ok:
         claimed = pl.DataFrame(ok, schema={"file_id": pl.Int32, "line_no": pl.Int64}, orient="row").with_columns(pl.lit(True).alias("_json"))
         df = df.join(claimed, on=["file_id", "line_no"], how="left", maintain_order="left").with_columns(
             pl.when(pl.col("_json")).then(pl.lit("json")).otherwise(pl.col("header")).alias("header")
         ).drop("_json")
-    if not rows:
+    if not cols["key"]:
         return df, {}
-    return df, {"metrics": pl.DataFrame(rows, schema_overrides={k: v for k, v in METRICS.polars_schema.items() if k in rows[0]}, infer_schema_length=None)}
+    schema = METRICS.polars_schema
+    return df, {"metrics": pl.DataFrame(cols, schema={k: schema[k] for k in cols})}
