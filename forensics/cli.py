@@ -297,6 +297,9 @@ def diagnose(
     except SignatureError as exc:
         _fail(f"signature catalogue: {exc}")
         return
+    except dg.NothingToDiagnose as exc:
+        _fail(str(exc))
+        return
     except duckdb.IOException as exc:  # locked or unreadable database
         _fail(f"cannot read {db}: {exc}")
         return

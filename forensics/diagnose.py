@@ -716,6 +716,10 @@ def _phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]], fra
 
 # -- the diagnosis ---------------------------------------------------------------------------
 
+class NothingToDiagnose(ValueError):
+    """The database holds no log lines and no metrics."""
+
+
 DIAG_VIEWS = ("tracebacks", "ray_task_errors", "actor_deaths", "watchdog_timeouts", "watchdog_progress", "rank_pids")
 
 
@@ -756,7 +760,10 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
 
 def headline(db_path: str | os.PathLike) -> str:
     """One line: the verdict, the root cause with its rank/phase and the evidence line."""
-    return diagnose(db_path, performance=False).headline()
+    try:
+        return diagnose(db_path, performance=False).headline()
+    except NothingToDiagnose as exc:
+        return f"nothing to diagnose ({exc})"
 
 
 class _Diagnoser:
@@ -997,6 +1004,8 @@ class _Diagnoser:
     # -- main -----------------------------------------------------------------------------
     def run(self) -> Diagnosis:
         con = self.con
+        if not con.execute("SELECT EXISTS (SELECT 1 FROM lines) OR EXISTS (SELECT 1 FROM metrics)").fetchall()[0][0]:
+            raise NothingToDiagnose("the database holds no log lines and no metrics: ingest the run's logs first")
         ensure_views(con)
         hits = self.hits()
         facts = RunFacts(con, self.cat)

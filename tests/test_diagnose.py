@@ -215,3 +215,15 @@ def test_detector_score_collapse():
     assert a.step == 10
     plateau = [0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.61, 0.62, 0.6, 0.55, 0.58, 0.6]
     assert detectors.score_collapse([_series("critic/score/mean", plateau)], sc) == []
+
+
+def test_empty_database_cannot_be_diagnosed(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    db = tmp_path / "e.duckdb"
+    pipeline.ingest([str(empty)], str(db), workers=1)
+    with pytest.raises(dg.NothingToDiagnose):
+        dg.diagnose(db)
+    assert dg.headline(db).startswith("nothing to diagnose")
+    r = CliRunner().invoke(app, ["diagnose", "--db", str(db)])
+    assert r.exit_code != 0 and "no log lines" in r.output
