@@ -210,10 +210,12 @@ def test_detector_entropy_collapse_vs_divergence():
 
 def test_detector_score_collapse():
     sc = SETTINGS["training_divergence"]["score_collapse"]
-    up_then_down = [0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.61, 0.62, 0.3, 0.2, 0.1, 0.1]
+    up_then_down = [0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.61, 0.62, 0.3, 0.2, 0.1, 0.1, 0.05, 0.1]
     (a,) = detectors.score_collapse([_series("critic/score/mean", up_then_down)], sc)
     assert a.step == 10
     plateau = [0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.61, 0.62, 0.6, 0.55, 0.58, 0.6]
+    noisy_dip = [0.6, 0.62, 0.63, 0.61, 0.62, 0.4, 0.38, 0.41, 0.6, 0.62, 0.61]  # a 35% dip that recovers
+    assert detectors.score_collapse([_series("critic/score/mean", noisy_dip)], sc) == []
     assert detectors.score_collapse([_series("critic/score/mean", plateau)], sc) == []
 
 
