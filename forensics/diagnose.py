@@ -95,6 +95,7 @@ class RootCause:
             "phase": self.phase, "step": self.step, "evidence": [e.to_dict() for e in self.evidence],
             "symptoms": self.symptoms, "remediation": self.remediation,
             "title": self.title, "summary": self.summary, "cascade": self.cascade, "notes": self.notes,
+            "rank_source": self.rank_source,
         }
 
 
@@ -1570,7 +1571,10 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             label = "root cause" if i == 0 else "also"
             lines.append("")
             lines.append(f"{label}: {r.id} — {r.title} (confidence {r.confidence:.2f})")
-            where = [f"rank {r.rank}" if r.rank is not None else "rank unknown",
+            how = {"pid_order": "by pid order", "start_order": "by worker start order", "lowest_free_rank": "guessed",
+                   "missing_from_cascade": "the rank missing from the timeouts", "local_device": "from the local GPU index",
+                   "same_process": "from the process's other lines", "pid": "from the process's pid"}.get(r.rank_source or "")
+            where = [(f"rank {r.rank}" + (f" ({how})" if how else "")) if r.rank is not None else "rank unknown",
                      f"node {r.node}" if r.node else None, f"phase {r.phase}" if r.phase else None,
                      f"step {r.step}" if r.step is not None else None]
             lines.append("  " + ", ".join(w for w in where if w))

@@ -1,7 +1,8 @@
 -- `rank_pids`: which global rank a process (pid) holds, from every kind of evidence the logs
 -- carry, one row per (pid, rank, source) with the number of lines saying so (`n`):
 -- `line` (a line with both a pid and a rank: `[rankN]:` prefixes, per-rank file paths),
--- `message` (`[Rank N]` / `[rank N]` printed by a process whose pid is known),
+-- `message` (`[Rank N]`, `[rank N]`, `[actor rank N]`, a logger named `....rankN:<line> - ` printed by a
+-- process whose pid is known),
 -- `nccl_init` (`ncclCommInitRank ... rank R nranks N` of the largest communicator: the world),
 -- `actor_name` (an `ActorDiedError` block naming `<prefix>WorkerDict_0:<R>` for a pid).
 -- `node` is the host/IP seen with that pid. Evidence can disagree (a pid reused, a TP group
@@ -24,9 +25,11 @@ SELECT pid, rank, 'line' AS source, count(*) AS n, any_value(node) AS node
 FROM lines WHERE pid IS NOT NULL AND rank IS NOT NULL
 GROUP BY pid, rank
 UNION ALL
-SELECT pid, TRY_CAST(regexp_extract(message, '\[[Rr]ank[ _]?(\d+)\]', 1) AS INTEGER) AS rank, 'message', count(*), any_value(node)
+SELECT pid, TRY_CAST(regexp_extract(message, '(?:\[(?:\w+ )?[Rr]ank[ _]?|^[\w.]+\.rank)(\d+)(?:\]|:\d+ - )', 1) AS INTEGER) AS rank,
+       'message', count(*), any_value(node)
 FROM lines
-WHERE pid IS NOT NULL AND rank IS NULL AND regexp_matches(message, '\[[Rr]ank[ _]?\d+\]')
+WHERE pid IS NOT NULL AND rank IS NULL AND contains(lower(message), 'rank')
+  AND regexp_matches(message, '(?:\[(?:\w+ )?[Rr]ank[ _]?|^[\w.]+\.rank)\d+(?:\]|:\d+ - )')
 GROUP BY ALL
 UNION ALL
 SELECT pid, rank, 'nccl_init', count(*), any_value(node)
