@@ -40,6 +40,7 @@ from .store import FILES, PROBLEMS, Store, write_part
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
 TMP_PREFIX = "forensics-"  # the ingest's temporary folder: forensics-<pid>-<random>
+DB_MEMORY = "1GB"  # DuckDB memory limit while ingesting (env FORENSICS_DB_MEMORY)
 
 
 class IngestError(RuntimeError):
@@ -180,7 +181,9 @@ def walk(root: str, messages: list[str], skip: set[str]) -> Iterator[tuple[str, 
         dirnames.sort()
         for d in list(dirnames):
             full = os.path.join(dirpath, d)
-            if os.path.islink(full):
+            if os.path.abspath(full) in skip:  # the database's and the ingest's own temporary folders
+                dirnames.remove(d)
+            elif os.path.islink(full):
                 messages.append(f"{storable(os.path.relpath(full, root_p))}: symlinked folder not followed")
                 dirnames.remove(d)
         for fname in sorted(filenames):
@@ -570,11 +573,16 @@ def ingest(
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
     store = Store(db)
+    # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by default);
+    # ingest needs little of it, and more is not faster
+    store.con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)])
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
-    skip = {db_abs, db_abs + ".wal", db_abs + ".tmp"}
     tmp_root = make_tmp_root()
+    skip = {db_abs, db_abs + ".wal", db_abs + ".tmp", os.path.abspath(tmp_root)}
     try:
+        for rel in store.drop_unfinished_files():
+            summary.messages.append(f"{rel}: its load was interrupted last time; it is read again")
         id_counter = [store.next_file_id()]
         first_new_id = id_counter[0]
 
@@ -640,12 +648,24 @@ def ingest(
                 row, probs = _load(store, res, summary, debug)
                 file_rows.append(row)
                 problem_rows.extend(probs)
-            store.insert_rows(PROBLEMS, problem_rows)
+            sizes = {p: os.path.getsize(p) for paths_ in job.parts.values() for p in paths_}
+            pieces = _pieces(job.parts, sizes, PIECE_BYTES)
+            if len(pieces) > 1:  # a big file: its rows go in several transactions
+                store.mark_loading(job.results[0].task.file_id, job.results[0].task.rel)
+            counts: dict[str, int] = {}
+            for i, piece in enumerate(pieces):
+                if i:
+                    batch.close()
+                    batch.ensure()
+                for k, v in store.insert_parts(piece).items():
+                    counts[k] = counts.get(k, 0) + v
+            if len(pieces) > 1:
+                store.finish_loading(job.results[0].task.file_id)
+            store.insert_rows(PROBLEMS, problem_rows)  # with the last rows: the file is whole
             store.insert_rows(FILES, file_rows)
-            counts = store.insert_parts(job.parts)
             for k, v in counts.items():
                 summary.rows_added[k] = summary.rows_added.get(k, 0) + v
-            batch.add(len(job.results), sum(counts.values()))
+            batch.add(len(job.results), sum(counts.values()), sum(sizes[p] for paths_ in pieces[-1].values() for p in paths_))
             for paths_ in job.parts.values():
                 for p in paths_:
                     try:
@@ -670,28 +690,48 @@ def ingest(
     return summary
 
 
+PIECE_BYTES = 64 << 20  # spooled rows per transaction: DuckDB holds them in memory until the commit
+
+
+def _pieces(parts: dict[str, list[str]], sizes: dict[str, int], limit: int) -> list[dict[str, list[str]]]:
+    """``parts`` cut into groups of about ``limit`` bytes of spooled rows (at least one)."""
+    pieces: list[dict[str, list[str]]] = [{}]
+    held = 0
+    for name, paths in parts.items():
+        for p in paths:
+            if held and held + sizes[p] > limit:
+                pieces.append({})
+                held = 0
+            pieces[-1].setdefault(name, []).append(p)
+            held += sizes[p]
+    return pieces
+
+
 class _Batch:
     """Group small files into one transaction (commit every few files / rows /
-    seconds): each commit is atomic, so an interrupted ingest loses at most the
-    uncommitted group, and a re-run redoes exactly those files."""
+    spooled bytes / seconds): each commit is atomic, so an interrupted ingest loses
+    at most the uncommitted group, and a re-run redoes exactly those files. (A big
+    file is committed in pieces: see Store.mark_loading.)"""
 
     MAX_FILES, MAX_ROWS, MAX_SECONDS = 64, 2_000_000, 2.0
 
     def __init__(self, store: Store):
         self.store = store
         self.open = False
-        self.files = self.rows = 0
+        self.files = self.rows = self.nbytes = 0
         self.t0 = 0.0
 
     def ensure(self) -> None:
         if not self.open:
             self.store.begin()
-            self.open, self.files, self.rows, self.t0 = True, 0, 0, time.perf_counter()
+            self.open, self.files, self.rows, self.nbytes, self.t0 = True, 0, 0, 0, time.perf_counter()
 
-    def add(self, files: int, rows: int) -> None:
+    def add(self, files: int, rows: int, nbytes: int = 0) -> None:
         self.files += files
         self.rows += rows
-        if self.files >= self.MAX_FILES or self.rows >= self.MAX_ROWS or time.perf_counter() - self.t0 > self.MAX_SECONDS:
+        self.nbytes += nbytes
+        if (self.files >= self.MAX_FILES or self.rows >= self.MAX_ROWS or self.nbytes >= PIECE_BYTES
+                or time.perf_counter() - self.t0 > self.MAX_SECONDS):
             self.close()
 
     def close(self) -> None:

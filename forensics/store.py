@@ -248,6 +248,37 @@ class Store:
                 con.execute(f'DELETE FROM "{t.name}" WHERE file_id = ? AND line_no >= ?', [file_id, replace_from_line])
         con.execute("DELETE FROM files WHERE file_id = ?", [file_id])
 
+    # -- big files, committed in pieces ----------------------------------------
+    # DuckDB holds a transaction's new rows in memory until it commits, so the rows of
+    # a big file go in several transactions. The first one also notes the file in
+    # `meta`; the last one, with the file's `files` row, removes the note. A note left
+    # by an interrupted ingest names a file whose rows are incomplete:
+    # drop_unfinished_files removes them before the next ingest plans anything.
+    def mark_loading(self, file_id: int, path: str) -> None:
+        self.con.execute("INSERT INTO meta VALUES ('loading_file', ?)", [f"{file_id} {path}"])
+
+    def finish_loading(self, file_id: int) -> None:
+        self.con.execute("DELETE FROM meta WHERE key = 'loading_file' AND split_part(value, ' ', 1) = ?", [str(file_id)])
+
+    def drop_unfinished_files(self) -> list[str]:
+        """Remove every row of the files whose load was cut between two pieces (their
+        ``files`` row included), so that the next ingest reads them whole; returns their paths."""
+        notes = {}
+        for (value,) in self.con.execute("SELECT value FROM meta WHERE key = 'loading_file'").fetchall():
+            file_id, _, path = value.partition(" ")
+            notes[int(file_id)] = path
+        if notes:
+            self.begin()
+            try:
+                for file_id in notes:
+                    self.delete_file_rows(file_id, None)
+                self.con.execute("DELETE FROM meta WHERE key = 'loading_file'")
+                self.commit()
+            except BaseException:
+                self.rollback()
+                raise
+        return sorted(notes.values())
+
     def insert_parts(self, parts: dict[str, list[str]]) -> dict[str, int]:
         """Insert spooled Arrow IPC parts; return rows added per table."""
         con = self.con

@@ -715,6 +715,47 @@ def test_grown_file_that_shrank_before_parsing_is_read_whole(tmp_path, monkeypat
     assert assert_accounting(db, folder_contents(root)) == 2
 
 
+@pytest.mark.parametrize("grown", [False, True], ids=["new", "grown"])
+def test_big_file_committed_in_pieces_survives_an_interrupt(tmp_path, monkeypatch, grown):
+    """A big file's rows go in several transactions (DuckDB holds a transaction's rows
+    in memory): an interrupt between two leaves rows without a `files` row, which the
+    next ingest must remove before it reads the file again."""
+    import functools
+
+    import parsers
+    from forensics.store import Store
+
+    root = _small_folder(tmp_path / "logs", n=2)
+    db = tmp_path / "p.duckdb"
+    if grown:
+        pipeline.ingest([str(root)], str(db), workers=1)
+        (root / "big.log").open("ab").write(log_lines(3000, "more"))
+    real_parser_for, real_insert = parsers.parser_for, Store.insert_parts
+    monkeypatch.setattr(parsers, "parser_for", lambda fmt: functools.partial(text_mod.parse_text, chunk_bytes=64 << 10)
+                        if fmt == "text" else real_parser_for(fmt))
+    monkeypatch.setattr(pipeline, "PIECE_BYTES", 1)  # every spooled part in its own transaction
+    calls = []
+
+    def insert_parts(self, parts):  # big.log comes first (biggest first): its third piece
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_insert(self, parts)
+
+    monkeypatch.setattr(Store, "insert_parts", insert_parts)
+    monkeypatch.setattr(pipeline, "make_jobs", lambda tasks: [[t] for t in sorted(tasks, key=lambda t: -t.size)])
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.ingest([str(root)], str(db), workers=1)
+    monkeypatch.undo()
+    assert rows(db, "SELECT count(*) FROM files WHERE path = 'big.log'") == [(0,)]
+    assert rows(db, "SELECT count(*) FROM lines WHERE file_id NOT IN (SELECT file_id FROM files)")[0][0] > 0
+    s = pipeline.ingest([str(root)], str(db), workers=1)
+    assert "big.log: its load was interrupted last time; it is read again" in s.messages
+    assert rows(db, "SELECT count(*) FROM lines WHERE file_id NOT IN (SELECT file_id FROM files)") == [(0,)]
+    assert rows(db, "SELECT count(*) FROM meta WHERE key = 'loading_file'") == [(0,)]
+    assert_complete(db, root, 3)
+
+
 def test_known_file_that_became_empty_or_binary_drops_its_rows(tmp_path):
     """copytruncate log rotation empties a log that was ingested before: its old lines
     must not stay in the database under its name."""
@@ -727,6 +768,21 @@ def test_known_file_that_became_empty_or_binary_drops_its_rows(tmp_path):
     got = rows(db, "SELECT f.path, f.status, count(l.line_no) FROM files f LEFT JOIN lines l USING (file_id) GROUP BY ALL")
     assert {(p, s, n) for p, s, n in got if p in ("w0.log", "w1.log")} == {("w0.log", "skipped", 0), ("w1.log", "skipped", 0)}
     assert assert_accounting(db, folder_contents(root)) == 2
+
+
+def test_database_and_temporary_folders_inside_the_input(tmp_path, monkeypatch):
+    """`forensics ingest . --db ./x.duckdb` with TMPDIR inside the folder too: neither the
+    database nor the ingest's own temporary files (an extracted bundle) are read."""
+    root = _small_folder(tmp_path / "logs", n=2)
+    monkeypatch.setattr(pipeline.tempfile, "tempdir", str(root))
+    bundle = tmp_path / "b.tar.gz"
+    with tarfile.open(bundle, "w:gz") as tf:
+        tf.add(root / "w0.log", arcname="inside/w0.log")
+    db = root / "x.duckdb"
+    pipeline.ingest([str(bundle), str(root)], str(db), workers=1)
+    paths = {p for (p,) in rows(db, "SELECT path FROM files WHERE root = ?", [str(root)])}
+    assert paths == {"w0.log", "w1.log", "big.log"}
+    assert pipeline.ingest([str(root)], str(db), workers=1).files_unchanged == 3
 
 
 def test_many_small_files(tmp_path):
@@ -1058,14 +1114,15 @@ def test_restricted_unpickler_builds_only_plain_data(value, protocol, cut, junk)
     _assert_plain(obj)
 
 
-def _assert_plain(obj) -> None:
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _assert_plain(v)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _assert_plain(k)
-            _assert_plain(v)
+def _assert_plain(obj, seen: set[int] | None = None) -> None:
+    """Only plain values, however nested (a container may hold itself: memo references)."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, (list, tuple, set, frozenset, dict)):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for v in (obj if not isinstance(obj, dict) else [x for kv in obj.items() for x in kv]):
+            _assert_plain(v, seen)
     else:
         assert obj is None or isinstance(obj, (bool, int, float, str, bytes, bytearray)), type(obj)
 
