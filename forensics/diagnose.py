@@ -749,6 +749,7 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
         if db is None or not os.path.exists(db):
             raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
         con = duckdb.connect(str(db), read_only=True)
+        con.execute("SET enable_progress_bar = false")  # the CLI prints its own output
     try:
         d = _Diagnoser(con, cat, performance).run()
     finally:
