@@ -373,6 +373,8 @@ class RunFacts:
         row = con.execute("SELECT count(*), max(step) FROM metrics WHERE step >= 1").fetchall()[0]
         self.metric_rows, self.max_step = int(row[0]), row[1]
         self.logs_metrics = bool(con.execute("SELECT count(*) FROM metrics WHERE step = 0").fetchall()[0][0])
+        self.last_metric_line = dict(con.execute(
+            "SELECT file_id, max(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall())
         # when each step was logged, from the stamps of the console lines that carry it
         self.step_times = sorted(con.execute(
             r"""SELECT TRY_CAST(regexp_extract(message, '^step:(\d+) - ', 1) AS BIGINT) AS step, min(ts)
@@ -1081,10 +1083,9 @@ class _Diagnoser:
         return Diagnosis("failed", [incident, *others], findings, notes=notes)
 
     def _training_went_on(self, e: Event, facts: RunFacts) -> bool:
+        """More training steps were logged after the event (in its file, or later in time)."""
         h = e.origin
-        row = self.con.execute("SELECT count(*) FROM metrics WHERE step >= 1 AND file_id = ? AND line_no > ?",
-                               [h.file_id, h.line_no or 0]).fetchall()[0][0]
-        if row:
+        if facts.last_metric_line.get(h.file_id, 0) > (h.line_no or 0):
             return True
         return bool(e.hi and facts.step_times and facts.step_times[-1][1] > e.hi)
 
