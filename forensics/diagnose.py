@@ -1140,6 +1140,7 @@ class _Diagnoser:
         origin = root.origin
         cls = root.cls
         derived_note = None
+        derived_source = "missing_from_cascade"
         # a watchdog cascade in which exactly one rank of the world never timed out is a
         # rank that hung (or died silently) outside the collective
         if root.role == "fallback" and cls == "nccl_timeout":
@@ -1152,12 +1153,13 @@ class _Diagnoser:
                 if missing is None:
                     missing = self._behind_by_counters()
                 if missing is not None:
+                    derived_source = "lagging"
                     derived_note = (f"rank {missing} never enqueued the collective the other ranks timed out in "
                                     "(its watchdog counters / the desync analysis show it behind): it was stuck outside the collective")
             if missing is not None:
                 cls = "rank_hang"
         if cls == "rank_hang" and derived_note:
-            rank, rank_source = missing, "missing_from_cascade"  # type: ignore[possibly-undefined]
+            rank, rank_source = missing, derived_source  # type: ignore[possibly-undefined]
         else:
             rank, rank_source = self._root_rank(root, hits, facts, [*causes, *fallbacks])
         node = origin.node or next((h.node for h in root.hits if h.node), None)
@@ -1574,7 +1576,8 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             lines.append("")
             lines.append(f"{label}: {r.id} — {r.title} (confidence {r.confidence:.2f})")
             how = {"pid_order": "by pid order", "start_order": "by worker start order", "lowest_free_rank": "guessed",
-                   "missing_from_cascade": "the rank missing from the timeouts", "local_device": "from the local GPU index",
+                   "missing_from_cascade": "the rank missing from the timeouts", "lagging": "behind in the collectives",
+                   "local_device": "from the local GPU index",
                    "same_process": "from the process's other lines", "pid": "from the process's pid"}.get(r.rank_source or "")
             where = [(f"rank {r.rank}" + (f" ({how})" if how else "")) if r.rank is not None else "rank unknown",
                      f"node {r.node}" if r.node else None, f"phase {r.phase}" if r.phase else None,
