@@ -1036,8 +1036,10 @@ class _Diagnoser:
         end_ts = max((h.ts for h in ends if h.ts is not None), default=None)
         stop_ts = stops[0].ts if stops else None
         if ends:
-            # a run that reached its end: generic wrappers and fallbacks after the end are shutdown noise
+            # a run that reached its end: generic wrappers, fallbacks after the end and peers
+            # dropping connections / actors exiting during shutdown are noise
             fallbacks = [e for e in fallbacks if not (end_ts and e.lo and e.lo >= end_ts) and e.weight > 0.3]
+            causes = [e for e in causes if not (end_ts and e.lo and e.lo >= end_ts and e.cls in self.SHUTDOWN_NOISE)]
         if stops:
             fallbacks = [e for e in fallbacks if not (stop_ts is None or e.lo is None or e.lo >= stop_ts - timedelta(seconds=5))]
             causes = [e for e in causes if not (stop_ts and e.lo and e.lo > stop_ts)]
@@ -1108,6 +1110,7 @@ class _Diagnoser:
         return round(e.weight, 2)
 
     SAME_MOMENT = timedelta(seconds=2)
+    SHUTDOWN_NOISE = frozenset({"nccl_network", "nccl_timeout", "ray_actor_died", "ray_cluster"})
 
     def _prefer_simultaneous(self, root: Event, pool: list[Event]) -> Event:
         """Among events of the root's class within a moment of it (one failure printed as
