@@ -4,6 +4,7 @@ Every command is a thin layer over :mod:`forensics.api`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,6 +35,7 @@ DB_OPTION = typer.Option("forensics.duckdb", "--db", help="DuckDB database file.
 
 class State:
     debug = False
+    interrupted = False  # SIGINT/SIGTERM came (DuckDB and Arrow report it as errors of their own)
 
 
 @app.callback()
@@ -75,34 +77,60 @@ def ingest(
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
-    # a polite kill (timeout, scheduler, docker stop) ends like Ctrl-C: the open
-    # transaction is rolled back and the temporary folder removed
-    on_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        if show_progress:
-            with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
-                task = bar.add_task("", total=None)
-
-                def progress(done: int, total: int, rel: str) -> None:
-                    bar.update(task, completed=done, total=total, description=_shown(rel[-60:]))
-
-                summary = pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
-        else:
-            summary = pipeline.ingest(paths, db, workers=workers or None, debug=State.debug, exclude=exclude)
-    except (StoreError, pipeline.IngestError) as exc:
-        _fail(str(exc))
-        return
-    except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
-        if State.debug:
+    with _interruptible():
+        try:
+            summary = _run_ingest(paths, db, workers, exclude, show_progress)
+        except BaseException as exc:
+            _ingest_failed(exc, db)
             raise
-        _fail(f"cannot write the database {db}: {exc}")
-        return
-    except KeyboardInterrupt:
-        _fail("interrupted: the files loaded so far are committed; run the same command again to load the rest", 130)
-        return
+        headline = _headline(db)
+    _print_ingest(summary, headline, db, quiet, as_json)
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """Ctrl-C and a polite kill (timeout, scheduler, docker stop) stop the command the same
+    way: the open transaction is rolled back, the temporary folder removed, and the user
+    told so, also when DuckDB or Arrow turn the interrupt into an error of their own."""
+    def on_signal(signum, frame):
+        State.interrupted = True
+        raise KeyboardInterrupt
+
+    State.interrupted = False
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s, h in handlers.items():
+        if h is not signal.SIG_IGN:  # a background job that ignores SIGINT keeps ignoring it
+            signal.signal(s, on_signal)
+    try:
+        yield
     finally:
-        signal.signal(signal.SIGTERM, on_term)
-    headline = _headline(db)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def _ingest_failed(exc: BaseException, db: str) -> None:
+    """Turn what stopped an ingest into a clear message (typer.Exit); return for a bug."""
+    if State.interrupted or isinstance(exc, KeyboardInterrupt):
+        _fail("interrupted: the files loaded so far are committed; run the same command again to load the rest", 130)
+    if isinstance(exc, (StoreError, pipeline.IngestError)):
+        _fail(str(exc))
+    if isinstance(exc, duckdb.IOException) and not State.debug:  # the database cannot be written (disk full, ...)
+        _fail(f"cannot write the database {db}: {exc}")
+
+
+def _run_ingest(paths: list[str], db: str, workers: int, exclude: list[str], show_progress: bool) -> pipeline.IngestSummary:
+    if show_progress:
+        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+            task = bar.add_task("", total=None)
+
+            def progress(done: int, total: int, rel: str) -> None:
+                bar.update(task, completed=done, total=total, description=_shown(rel[-60:]))
+
+            return pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
+    return pipeline.ingest(paths, db, workers=workers or None, debug=State.debug, exclude=exclude)
+
+
+def _print_ingest(summary: pipeline.IngestSummary, headline: str | None, db: str, quiet: bool, as_json: bool) -> None:
     if as_json:
         payload = {
             "db": summary.db, "seconds": round(summary.seconds, 3), "files_seen": summary.files_seen,
@@ -153,6 +181,8 @@ def _headline(db: str) -> str | None:
     except Exception as exc:  # diagnosis must never make ingest fail
         if State.debug:
             raise
+        if State.interrupted:  # Ctrl-C during the diagnosis, reported by DuckDB as its error
+            raise KeyboardInterrupt from None
         return f"(diagnosis failed: {exc.__class__.__name__}: {exc})"
 
 
