@@ -2,8 +2,13 @@
 
 Parsing happens in worker processes that write each table's rows as Arrow IPC
 parts into a spool folder; the main process is the only writer of the database and
-loads each file's parts in one transaction. Memory stays bounded by the parsers'
-chunk size, not by the size of a file or of the whole input.
+loads each file's parts in one transaction (a big file's in several: see
+forensics.store). Memory stays bounded by the parsers' chunk size, the rows per
+transaction and DuckDB's memory limit, not by the size of a file or of the input.
+
+Input is what a dying system wrote: a read that fails ends the file where it failed
+(what came before is kept), a file that changes or vanishes between planning and
+parsing is taken as it is when read, and no input problem stops the ingest.
 """
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ declarations and from the header comments of the view files in ``forensics/sql/`
 
 A file is loaded inside one transaction (its rows and its ``files`` row together),
 so an interrupted ingest leaves the database consistent and a re-run redoes only
-the files that were not committed.
+the files that were not committed. A big file's rows go in several transactions
+(DuckDB holds a transaction's rows in memory): a note in ``meta`` marks it until its
+``files`` row is committed with its last rows, and the next ingest removes the rows
+of a file whose note was left by an interrupted one (:meth:`Store.drop_unfinished_files`).
 """
 from __future__ import annotations
 
