@@ -489,7 +489,7 @@ def _utc(ts: float) -> datetime:
 
 
 def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[], int], summary: IngestSummary,
-         known_files: dict | None = None) -> FileTask | dict | None:
+         known_files: dict) -> FileTask | dict | None:
     """Decide what to do with one file: a FileTask to parse, a skipped-file row, or
     None when it is already in the database unchanged."""
     try:
@@ -499,7 +499,7 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
         summary.messages.append(f"{rel}: cannot read ({exc.strerror or exc})")
         d = det.Detected("unreadable", "skipped", reason=f"cannot read: {exc.strerror or exc}")
         st = None
-    known = known_files.get(rel) if known_files is not None else store.known(root, rel)
+    known = known_files.get(rel)
     if d.kind == "skipped":
         if known and known.format == d.format and st is not None and known.bytes == st.st_size:
             return None

@@ -13,12 +13,10 @@ of a file whose note was left by an interrupted one (:meth:`Store.drop_unfinishe
 """
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Iterable
 
 import duckdb
 import pyarrow as pa
@@ -207,13 +205,6 @@ class Store:
             self.con.execute(sql)
 
     # -- files ----------------------------------------------------------------
-    def known(self, root: str, rel: str) -> KnownFile | None:
-        row = self.con.execute(
-            "SELECT file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ? AND path = ?",
-            [root, rel],
-        ).fetchone()
-        return KnownFile(*row) if row else None
-
     def known_files(self, root: str) -> dict[str, KnownFile]:
         """Every file already ingested from ``root``, by relative path."""
         rows = self.con.execute(
@@ -342,10 +333,6 @@ class Store:
 
     def close(self) -> None:
         self.con.close()
-
-
-def spool_parts(spool_dir: str, file_id: int) -> Iterable[str]:
-    return sorted(glob.glob(os.path.join(spool_dir, f"{file_id}-*.arrow")))
 
 
 def write_part(path: str | Path, table: pa.Table) -> None:
