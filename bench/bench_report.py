@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--keep", help="keep the database and report in this folder")
     ap.add_argument("--reuse", action="store_true", help="with --keep: use the database built by an earlier run")
     a = ap.parse_args(argv)
-    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="bench-report-"))
+    work = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="bench-report-"))
     work.mkdir(parents=True, exist_ok=True)
     db = work / "bench.duckdb"
     reuse = a.reuse and a.keep and db.exists()
