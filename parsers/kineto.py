@@ -17,10 +17,11 @@ process/thread for CPU events, the device/stream for GPU events, and strings
 
 Traces reach several GB, so a file is never loaded whole. :class:`ArrayStream` cuts
 the event array into batches of complete events (``BATCH_BYTES`` of text each). A batch
-is decoded by one polars query in bulk (:func:`frame_from_text`); a batch that does
-not fit that mould (a field of an unexpected type, an element that is not an object,
-``NaN``, a cut that fell inside a string) is decoded element by element with orjson
-instead (:func:`frame_from_values`), keeping what converts and counting the rest.
+is decoded in bulk by msgspec into typed structs and turned into columns with no
+per-event Python code (:func:`frame_from_text`); a batch that does not fit that mould
+(a field of an unexpected type, an element that is not an object, ``NaN``, a cut that
+fell inside a string) is decoded element by element with orjson instead
+(:func:`frame_from_values`), keeping what converts and counting the rest.
 Memory is bounded by the batch size, not the file size. A trace cut off mid-write
 yields every complete event before the cut.
 
@@ -35,8 +36,10 @@ import re
 import zlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import BinaryIO, Callable, Iterator
+from operator import attrgetter
+from typing import Annotated, BinaryIO, Callable, Iterator
 
+import msgspec
 import numpy as np
 import orjson
 import polars as pl
@@ -102,16 +105,14 @@ TRACE_META = Table(
     ),
 )
 
-BATCH_BYTES = 1 << 20  # JSON text decoded per batch: memory is bounded by this (polars needs ~25x it)
-READ_BYTES = 1 << 20
+BATCH_BYTES = 8 << 20  # JSON text decoded per batch: memory is bounded by this (the decoded batch takes ~5x it)
+READ_BYTES = 4 << 20
 PART_ROWS = 1 << 16  # rows handed on at a time
 MAX_ELEMENT_BYTES = 256 << 20  # an element (or unbalanced text) longer than this stops the read
 MAX_META_BYTES = 64 << 20  # top-level keys around the event array are metadata: cap them
 
 # A separator between two objects of an array: `}` `,` `{` with optional whitespace.
 _SEP = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
-_SEP_TEXT = r"\}([ \t\r\n]*),([ \t\r\n]*)\{"
-_CUT = "\x1e"  # a control character cannot occur raw inside valid JSON text
 # Tokens of the exact scanner: a whole string, a quote that opens an unterminated one, structure.
 _TOK = re.compile(rb'"(?:[^"\\]|\\.)*"|"|[\[\]{},]')
 _EVENTS_KEY = re.compile(rb'"traceEvents"[ \t\r\n]*:[ \t\r\n]*\[')
@@ -133,8 +134,6 @@ _ARGS = {"External id": ("external_id", pl.Int64), "external id": ("_external_id
          "In msg nelems": ("coll_in_nelems", pl.Int64), "Out msg nelems": ("coll_out_nelems", pl.Int64),
          "dtype": ("coll_dtype", pl.String), "Group size": ("coll_group_size", pl.Int32),
          "Process Group Name": ("pg_name", pl.String), "Process Group Description": ("pg_desc", pl.String)}
-_TOP_DTYPE = pl.Struct({k: t for k, (_, t) in _TOP.items()})
-_ARGS_DTYPE = pl.Struct({k: t for k, (_, t) in _ARGS.items()})
 # Columns of a decoded batch, before the file-level ones are added.
 _DECODED = {**{c: t for c, t in _TOP.values()}, "args": pl.String, **{c: t for c, t in _ARGS.values()},
             "line_no": pl.Int64, "_invalid": pl.Boolean}
@@ -150,6 +149,14 @@ def rank_from_name(path: str) -> int | None:
 
 
 # -- reading ----------------------------------------------------------------------------
+
+def _newlines(data: bytes | bytearray, start: int, end: int) -> int:
+    """Line feeds in ``data[start:end]`` (numpy counts them several times faster than
+    ``bytes.count``)."""
+    if end <= start:
+        return 0
+    return int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start) == 10))
+
 
 class SafeReader:
     """Read a (possibly gunzipped) stream, counting lines. Compressed data that ends
@@ -176,7 +183,7 @@ class SafeReader:
                              "what was read before that point was loaded", None, "truncated")
             return b""
         if block:
-            self.newlines += block.count(b"\n")
+            self.newlines += _newlines(block, 0, len(block))
             self.last = block[-1:]
         return block
 
@@ -240,12 +247,12 @@ class ArrayStream:
 
     def _drop_consumed(self) -> None:
         if self.pos >= READ_BYTES:
-            self.line += self.buf.count(b"\n", 0, self.pos)
+            self.line += _newlines(self.buf, 0, self.pos)
             del self.buf[: self.pos]
             self.pos = 0
 
     def _line_at(self, i: int) -> int:
-        return self.line + self.buf.count(b"\n", 0, i)
+        return self.line + _newlines(self.buf, 0, i)
 
     def _lines_at(self, offsets: list[int], upto: int) -> np.ndarray:
         view = np.frombuffer(self.buf, dtype=np.uint8, count=upto)
@@ -327,7 +334,8 @@ class ArrayStream:
     def _decode_run(self, start: int, end: int):
         """Decode ``buf[start:end]``, elements separated by commas; None when it is not
         exactly a run of complete JSON values."""
-        text = bytes(self.buf[start:end])
+        with memoryview(self.buf) as view:
+            text = bytes(view[start:end])
         out = self.on_text(text, self._line_at(start))
         if out is not None:
             return out
@@ -523,60 +531,144 @@ def parse_trailer(tail: bytes) -> tuple[dict, bool]:
 
 # -- decoding batches -----------------------------------------------------------------------
 
-def frame_from_text(text: bytes, line: int, sep: bytes) -> tuple[pl.LazyFrame, int] | None:
-    """The query that decodes a run of comma-separated event objects in bulk, and the
-    number of events it must give; None when the text is not UTF-8. Collecting the
-    query fails (or gives another number of rows, or an ``n_args`` above 1) when the run
-    is not exactly that: the caller then decodes it element by element.
+# Typed shapes of an event for the bulk decoder. A value of another type (a number as
+# text, an integer beyond 64 bits, args that are not an object, ...) fails the whole
+# batch, which then goes element by element through :func:`frame_from_values`, where
+# it is kept as far as it converts and counted.
+_I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+_I32 = Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]
+_NO_ARGS = msgspec.Raw(b" {}")  # stands for a missing `args`: a decoded Raw never starts with a space
 
-    The run is split at ``sep``, the file's usual text between two events (``},\n  {``
-    in Kineto traces, ``}, {`` in Ray timelines); each piece must then decode as one
-    object, which also proves the split right: a separator inside a string or a nested
-    value, or one written differently, leaves a piece that does not decode, or (polars
-    decodes a column as one comma-joined array) one that decodes to several rows.
-    ``args`` is kept as written (without line breaks and indentation): the text from the
-    ``"args"`` key to the end of the event. That is right only when ``args`` is the
-    event's last key, which decoding that text as one object checks, and when no other
-    ``"args"`` key comes before it (``n_args``).
+
+class _Event(msgspec.Struct, gc=False):
+    ph: str | None = None
+    cat: str | None = None
+    name: str | None = None
+    pid: int | str | None = None
+    tid: int | str | None = None
+    ts: float | None = None
+    dur: float | None = None
+    id: _I64 | None = None
+    args: msgspec.Raw = _NO_ARGS
+
+
+class _Args(msgspec.Struct, gc=False):
+    external_id: _I64 | None = msgspec.field(default=None, name="External id")
+    _external_id_old: _I64 | None = msgspec.field(default=None, name="external id")
+    correlation: _I64 | None = None
+    device: _I32 | None = None
+    stream: _I64 | None = None
+    coll_name: str | None = msgspec.field(default=None, name="Collective name")
+    coll_in_nelems: _I64 | None = msgspec.field(default=None, name="In msg nelems")
+    coll_out_nelems: _I64 | None = msgspec.field(default=None, name="Out msg nelems")
+    coll_dtype: str | None = msgspec.field(default=None, name="dtype")
+    coll_group_size: _I32 | None = msgspec.field(default=None, name="Group size")
+    pg_name: str | None = msgspec.field(default=None, name="Process Group Name")
+    pg_desc: str | None = msgspec.field(default=None, name="Process Group Description")
+
+
+_EVENTS = msgspec.json.Decoder(list[_Event])
+_ARGS_LIST = msgspec.json.Decoder(list[_Args | None])
+_NO_ARGS_VALUE = _Args()
+# (attribute, column, type, the key as written: a column whose key the batch does not
+# contain is all null without looking at the events)
+_TOP_FIELDS = [(k, c, t, f'"{k}"'.encode()) for k, (c, t) in _TOP.items()]
+_ARGS_FIELDS = [(c, c, t, f'"{k}"'.encode()) for k, (c, t) in _ARGS.items()]
+_NEWLINE_RUN = r"[ \t\r]*\n[ \t\r\n]*"
+
+
+def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
+    """Decode a run of comma-separated event objects in bulk: the decoded columns of
+    every event (as :data:`_DECODED`), or None when the text is not exactly a run of
+    well-formed event objects whose fields all have their usual types (the caller then
+    decodes it element by element).
+
+    msgspec decodes the run into typed structs (only the fields that have a column;
+    ``args`` as its raw text, decoded again into the ``args`` fields that have a
+    column); each column is built from them with one C-level pass. ``args`` is kept as
+    written, without line breaks and the indentation around them. An event starts on
+    the line of its ``{``: the events begin after each ``sep`` (the file's usual text
+    between two events), which is checked by their count, else found token by token.
     """
     try:
-        body = text.decode("utf-8")
-    except UnicodeDecodeError:
+        events = _EVENTS.decode(b"[" + text + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    seps = sep.decode()
-    pieces = body.replace(seps, seps[0] + _CUT + seps[-1]).split(_CUT)
-    lead = body[: len(body) - len(body.lstrip())].count("\n")
-    n = len(pieces)
-    raw = pl.col("raw")
-    rest = (raw.str.slice(raw.str.find('"args"', literal=True))
-            .str.strip_chars_end().str.head(-1).str.strip_chars_end()
-            .str.replace(r'^"args"[ \t\r\n]*:[ \t\r\n]*', ""))
-    n_args = raw.str.count_matches('"args"', literal=True)
-    args = pl.when(n_args == 1).then(rest.str.replace_all(r"[ \t\r]*\n[ \t\r\n]*", ""))
-    args = pl.when(args != "null").then(args)
-    # a piece starts on the line after the newlines of the pieces and separators before it
-    nl = pl.col("nl")
-    i = pl.int_range(pl.len(), dtype=pl.Int64)
-    start_line = nl.cum_sum() - nl + i * sep.count(b"\n") + pl.when(i == 0).then(lead).otherwise(0) + line
-    query = (
-        pl.LazyFrame({"raw": pieces}, schema={"raw": pl.String})
-        .select(
-            raw.str.json_decode(_TOP_DTYPE).alias("top"),
-            n_args.alias("n_args"),
-            args.alias("args"),
-            raw.str.count_matches("\n", literal=True).alias("nl"),
-        )
-        .with_columns(pl.col("args").str.json_decode(_ARGS_DTYPE).alias("a"))
-        .select(
-            *[pl.col("top").struct.field(k).alias(c) for k, (c, _) in _TOP.items()],
-            "args",
-            *[pl.col("a").struct.field(k).alias(c) for k, (c, _) in _ARGS.items()],
-            start_line.cast(pl.Int64).alias("line_no"),
-            pl.col("top").is_null().alias("_invalid"),  # an element `null`
-            "n_args",
-        )
-    )
-    return query, n
+    n = len(events)
+    raws = list(map(attrgetter("args"), events))
+    joined = b",".join(raws)
+    try:
+        args = _ARGS_LIST.decode(b"[" + joined + b"]")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if None in args:  # "args": null
+        args = [_NO_ARGS_VALUE if a is None else a for a in args]
+    cols: list[pl.Series] = []
+    for attr, column, type_, key in _TOP_FIELDS:
+        if key not in text:
+            cols.append(pl.Series(column, dtype=type_).extend_constant(None, n))
+        elif attr in ("pid", "tid"):
+            cols.append(_text_column(column, list(map(attrgetter(attr), events))))
+        else:
+            cols.append(pl.Series(column, list(map(attrgetter(attr), events)), dtype=type_))
+    del events
+    cols.append(_args_text(raws, joined, n))
+    del raws
+    for attr, column, type_, key in _ARGS_FIELDS:
+        if key in joined:
+            cols.append(pl.Series(column, list(map(attrgetter(attr), args)), dtype=type_))
+        else:
+            cols.append(pl.Series(column, dtype=type_).extend_constant(None, n))
+    cols.append(pl.Series("line_no", _start_lines(text, line, sep, n), dtype=pl.Int64))
+    cols.append(pl.Series("_invalid", dtype=pl.Boolean).extend_constant(False, n))
+    return pl.DataFrame(cols)
+
+
+def _text_column(name: str, values: list) -> pl.Series:
+    """``pid`` / ``tid``: numbers as their decimal text, strings as they are."""
+    try:
+        return pl.Series(name, values, dtype=pl.Int64).cast(pl.String)
+    except TypeError:  # some are text (or integers beyond 64 bits)
+        return pl.Series(name, [v if v is None or v.__class__ is str else str(v) for v in values], dtype=pl.String)
+
+
+def _args_text(raws: list, joined: bytes, n: int) -> pl.Series:
+    """The text of each event's ``args`` (null when it has none or it is ``null``),
+    without line breaks and the indentation around them."""
+    lengths = np.fromiter(map(len, raws), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths + 1, out=offsets[1:])  # each raw is followed by the joining comma
+    first = np.frombuffer(joined, dtype=np.uint8)[offsets[:-1]]  # every raw is at least 3 bytes
+    missing = ((lengths == 3) & (first == 0x20)) | ((lengths == 4) & (first == 0x6E))  # " {}", null
+    # one string per event, [offset, offset + length) of the joined text, and one per
+    # joining comma in between, dropped
+    bounds = np.empty(2 * n + 1, dtype=np.int64)
+    bounds[0::2] = offsets
+    bounds[1::2] = offsets[:-1] + lengths
+    bounds[-1] = len(joined)
+    strings = pa.LargeStringArray.from_buffers(2 * n, pa.py_buffer(bounds), pa.py_buffer(joined))
+    text = pl.Series("args", strings).gather_every(2)
+    if b"\n" in joined:
+        text = text.str.replace_all(_NEWLINE_RUN, "")
+    if missing.any():
+        text = text.scatter(np.flatnonzero(missing), None)
+    return text
+
+
+def _start_lines(text: bytes, line: int, sep: bytes, n: int) -> np.ndarray:
+    """The line of each event's ``{`` in ``text`` (which starts on ``line``)."""
+    if b"\n" not in text:
+        return np.full(n, line, dtype=np.int64)
+    view = np.frombuffer(text, dtype=np.uint8)
+    found = np.flatnonzero(view[: len(view) - len(sep) + 1] == sep[0])
+    for k in range(1, len(sep)):
+        found = found[view[found + k] == sep[k]]
+    first = len(text) - len(text.lstrip(_WS))
+    starts = np.concatenate(([first], found + len(sep) - 1))
+    if len(starts) != n:  # a separator written otherwise, or one inside a nested value
+        starts = np.asarray(_element_starts(bytearray(text), 0, len(text)), dtype=np.int64)
+    newlines = np.flatnonzero(view == 10)
+    return line + np.searchsorted(newlines, starts).astype(np.int64)
 
 
 @dataclass
@@ -741,17 +833,10 @@ def decoders(st: FileState) -> tuple[Callable, Callable]:
         if not seps:  # the file's usual separator, from its first batch
             counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
             seps.append(counts.most_common(1)[0][0] if counts else b"},{")
-        decoded = frame_from_text(text, line, seps[0])
-        if decoded is None:
+        df = frame_from_text(text, line, seps[0])
+        if df is None:
             return None
-        query, n = decoded
-        try:
-            df = finish(query, st, n).collect()
-        except (pl.exceptions.ComputeError, pl.exceptions.ShapeError):
-            return None
-        if df.height != n or (df.get_column("n_args") > 1).any():
-            return None
-        return _rows(df, st)
+        return _rows(finish(df.lazy(), st, df.height).collect(), st)
 
     def on_values(values: list, lines: np.ndarray | None) -> pa.Table:
         df = frame_from_values(values, lines, st.tally, st.seq)

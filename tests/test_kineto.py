@@ -11,6 +11,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 import duckdb
+import orjson
 import polars as pl
 import pyarrow as pa
 import pytest
@@ -291,3 +292,82 @@ def test_trace_written_by_the_torch_profiler(tmp_path):
     assert set(df["rank"]) == {0}  # no distributedInfo: from the file name
     spans = df.filter(pl.col("ph") == "X")
     assert spans["ts"].null_count() == 0 and spans["line_no"].null_count() == 0
+
+
+# -- the bulk decoder against the element-by-element one ------------------------------------
+
+def _both_decoders(text: bytes, sep: bytes = b"},\n  {"):
+    """(bulk frame, element frame) of a run of comma-separated events."""
+    bulk = kineto.frame_from_text(text, 1, sep)
+    assert bulk is not None
+    values = orjson.loads(b"[" + text + b"]")
+    lines = bulk["line_no"].to_numpy()
+    one = kineto.frame_from_values(values, lines, kineto.Tally(), 0)
+    assert bulk.columns == one.columns == list(kineto._DECODED)
+    return bulk, one
+
+
+def _assert_same_rows(bulk: pl.DataFrame, one: pl.DataFrame) -> None:
+    # args: the bulk decoder keeps the text as written, the other writes it compactly
+    assert [json.loads(a) if a is not None else None for a in bulk["args"]] == \
+           [json.loads(a) if a is not None else None for a in one["args"]]
+    assert bulk.drop("args").equals(one.drop("args"))
+
+
+def test_bulk_decoder_matches_element_decoder_on_odd_but_valid_events():
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 1, "dur": 2.5,
+         "args": {"External id": 3, "device": 0, "stream": 7, "correlation": 9, "extra": [1, {"x": None}]}},
+        {"name": "no args", "ph": "i", "pid": "Traces", "tid": "", "ts": 5.0},
+        {"ph": "X", "name": "null args", "args": None, "pid": 1, "tid": 2},
+        {"ph": "X", "name": "empty args", "args": {}, "pid": -1, "tid": 2 ** 40},
+        {"ph": "s", "id": 4242, "cat": "ac2g", "name": "flow", "pid": 1, "tid": 2, "ts": 3.25},
+        {"ph": "X", "cat": "cpu_op", "name": "say \"hi\" }, { \u00e9\u4e2d", "pid": 1, "tid": 2,
+         "args": {"Collective name": "allreduce", "In msg nelems": 2 ** 40, "Out msg nelems": 0, "dtype": "Float",
+                  "Group size": 8, "Process Group Name": "0", "Process Group Description": "default_pg",
+                  "external id": 12}},
+        {},
+    ]
+    text = b",\n  ".join(json.dumps(e, indent=2, ensure_ascii=False).encode() for e in events)
+    bulk, one = _both_decoders(text, b"},\n  {")
+    _assert_same_rows(bulk, one)
+    assert bulk["args"][1] is None and bulk["args"][2] is None and bulk["args"][3] == "{}"
+    assert bulk["pid"].to_list()[:4] == ["0", "Traces", "1", "-1"] and bulk["tid"][3] == str(2 ** 40)
+    # every event starts on the line of its `{`
+    starts = [n for n, line in enumerate(text.split(b"\n"), 1) if line.lstrip().startswith(b"{") and not line.startswith(b"   ")]
+    assert bulk["line_no"].to_list() == starts
+
+
+@pytest.mark.parametrize("event, bad", [
+    ({"ph": "X", "ts": "1.5"}, 1),  # a number as text
+    ({"ph": "X", "args": {"External id": 5.5}}, 1),  # a fraction for an integer
+    ({"ph": "X", "args": {"External id": True}}, 1),
+    ({"ph": "X", "args": {"device": 2 ** 31}}, 1),  # beyond 32 bits
+    ({"ph": "X", "args": {"External id": 2 ** 63}}, 1),  # beyond 64 bits
+    ({"ph": "X", "args": [1]}, 1),
+    ({"ph": "X", "name": 3}, 1),
+    ({"ph": "X", "pid": True}, 1),
+    ({"ph": "X", "pid": 1.5}, 0),  # any number is fine as a pid, written as the element decoder writes it
+])
+def test_bulk_decoder_refuses_mistyped_events(event, bad):
+    """A batch with a field of another type goes element by element, where the field is
+    counted; the bulk decoder must not quietly convert it."""
+    fine = {"ph": "X", "cat": "cpu_op", "name": "fine", "pid": 1, "tid": 2, "ts": 1.0, "args": {"External id": 1}}
+    text = b",\n  ".join(json.dumps(e).encode() for e in (fine, event, fine))
+    assert kineto.frame_from_text(text, 1, b"},\n  {") is None
+    data = b'{"traceEvents": [\n  ' + text + b"\n]}"
+    df, meta, ctx = parse(data)
+    assert df.height == meta["event_count"] == 3 and meta["bad_events"] == bad
+    assert df["name"][0] == "fine" and df["external_id"][2] == 1
+    assert df["pid"][1] == ("1.5" if event.get("pid") == 1.5 else None)
+
+
+def test_bulk_decoder_matches_element_decoder_on_a_real_trace(corpus):
+    [path] = _corpus_traces(corpus, big=False)[:1] or [None]
+    data = gzip.decompress(path.read_bytes())
+    start = data.index(b"[", data.index(b'"traceEvents"')) + 1
+    body = data[start:start + (4 << 20)]
+    text = body[: body.rindex(b"},\n  {") + 1].strip()
+    bulk, one = _both_decoders(text)
+    assert bulk.height > 1000
+    _assert_same_rows(bulk, one)
