@@ -12,8 +12,13 @@ never assigns log text to ``innerHTML``; hover labels (which plotly renders as a
 HTML) get pre-escaped text.
 
 Size: the timeline draws at most ``MAX_SEGMENTS`` spans one by one. Beyond that it becomes a
-grid of ``GRID_BINS`` time bins per lane, each showing the phase that filled most of it, and the
-page says so, so runs with hundreds of thousands of spans stay responsive.
+grid of ``GRID_BINS`` time bins per lane, each showing the phase that filled most of it (computed
+in DuckDB, without fetching the spans), and the page says so, so runs with hundreds of thousands
+of spans stay responsive.
+
+Speed (bench/bench_report.py): the diagnosis runs on a second connection while the phase views
+are materialised; in the page, the timeline (and any plot on the first screen) renders at once
+and the plots further down when scrolled near.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import math
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -101,7 +107,8 @@ def _diagnosis(con: duckdb.DuckDBPyConnection) -> tuple[dict | None, str | None]
     except ImportError as exc:
         return None, f"diagnosis unavailable: forensics.diagnose cannot be imported ({exc})"
     try:
-        return dg.diagnose(con=con).to_dict(), None
+        # the report computes the performance findings itself, on the cached phase tables
+        return dg.diagnose(con=con, performance=False).to_dict(), None
     except Exception as exc:  # the report must still show the timeline and files
         return None, f"diagnosis failed: {exc.__class__.__name__}: {exc}"
 
@@ -148,71 +155,90 @@ def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[
 
 # -- timeline -------------------------------------------------------------------------------
 
-def _phase_key(phase: str, sub_phase: str | None) -> str:
-    return "rollout/logprob" if phase == "rollout" and sub_phase == "logprob" else phase
+def _lane_sql(rank: str, gpu: bool = False) -> str:
+    """SQL for the lane name of a row, as the report writes it ('run', 'rank 3', 'rank 3 GPU')."""
+    if gpu:
+        return f"'rank ' || {rank} || ' GPU'"
+    return f"CASE WHEN {rank} IS NULL THEN 'run' ELSE 'rank ' || {rank} END"
+
+
+KIND_SQL = "CASE WHEN phase = 'rollout' AND sub_phase = 'logprob' THEN 'rollout/logprob' ELSE phase END"
+GPU_KIND_SQL = "CASE WHEN is_nccl THEN 'nccl' ELSE 'gpu' END"
 
 
 def _timeline_spans(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """Phase spans and GPU busy intervals, one frame: lane, kind, start_us, end_us, label."""
-    spans = _q(con, """
-        SELECT rank, step, phase, sub_phase, name, start_us, end_us, source, approximate
+    """Phase spans and GPU busy intervals, one frame: lane, kind, step, name, start_us, end_us,
+    source, approximate."""
+    spans = _q(con, f"""
+        SELECT {_lane_sql('rank')} AS lane, {KIND_SQL} AS kind, step, name, start_us, end_us, source, approximate
         FROM phase_timeline WHERE end_us > start_us""")
-    spans = spans.with_columns(
-        pl.when(pl.col("rank").is_null()).then(pl.lit("run")).otherwise(pl.format("rank {}", pl.col("rank"))).alias("lane"),
-        pl.when((pl.col("phase") == "rollout") & (pl.col("sub_phase") == "logprob")).then(pl.lit("rollout/logprob"))
-          .otherwise(pl.col("phase")).alias("kind"),
-    )
-    gpu = _gpu_lanes(con)
-    gpu = gpu.with_columns(
-        pl.format("rank {} GPU", pl.col("rank")).alias("lane"),
-        pl.when(pl.col("is_nccl")).then(pl.lit("nccl")).otherwise(pl.lit("gpu")).alias("kind"),
-        pl.lit(None, pl.Int64).alias("step"), pl.lit(None, pl.String).alias("name"), pl.lit("kineto").alias("source"),
-        pl.lit(False).alias("approximate"),
-    )
-    cols = ["lane", "kind", "step", "name", "start_us", "end_us", "source", "approximate"]
-    return pl.concat([spans.select(cols), gpu.select(cols)], how="vertical_relaxed")
+    gpu = _q(con, f"""SELECT {_lane_sql('rank', gpu=True)} AS lane, {GPU_KIND_SQL} AS kind, NULL::BIGINT AS step,
+                             NULL::VARCHAR AS name, start_us, end_us, 'kineto' AS source, false AS approximate
+                      FROM ({_gpu_lanes_sql(con, MAX_SEGMENTS // 2)})""")
+    return pl.concat([spans, gpu], how="vertical_relaxed")
 
 
-def _gpu_lanes(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
-    """GPU activity per rank, compute and NCCL apart: every event when they are few; else, per
-    time bin, one bar as long as the GPU time the bin's events add up to (at most the bin)."""
-    n, t0, t1, ranks = con.execute(
-        "SELECT count(*), min(start_us), max(end_us), count(DISTINCT rank) FROM phase_gpu_events").fetchall()[0]
-    if not n:
-        return pl.DataFrame(schema={"rank": pl.Int32, "is_nccl": pl.Boolean, "start_us": pl.Float64, "end_us": pl.Float64})
-    budget = MAX_SEGMENTS // 2
-    if n <= budget:
-        return _q(con, "SELECT rank, is_nccl, start_us, end_us FROM phase_gpu_events WHERE end_us > start_us")
-    width = max((t1 - t0) * 2 * max(ranks, 1) / budget, 1.0)
-    return _q(con, """
-        SELECT rank, is_nccl, ? + bin * ? AS start_us, ? + bin * ? + least(sum(end_us - start_us), ?) AS end_us
-        FROM (SELECT *, floor((start_us - ?) / ?) AS bin FROM phase_gpu_events)
-        GROUP BY rank, is_nccl, bin""", [t0, width, t0, width, width, t0, width])
+def _gpu_lanes_sql(con: duckdb.DuckDBPyConnection, budget: int, origin: float | None = None,
+                   width: float | None = None) -> str:
+    """A query of GPU activity per rank, compute and NCCL apart (rank, is_nccl, start_us, end_us).
+
+    Given ``origin`` and ``width``: per time bin of that width, one bar from the bin's start as
+    long as the GPU time of the events that start in the bin adds up to (at most the bin).
+    Otherwise every event when there are at most ``budget``, else the same bars with bins as
+    wide as keeps about ``budget`` of them."""
+    if width is None:
+        n, t0, t1, ranks = con.execute(
+            "SELECT count(*), min(start_us), max(end_us), count(DISTINCT rank) FROM phase_gpu_events").fetchall()[0]
+        if n <= budget:
+            return "SELECT rank, is_nccl, start_us, end_us FROM phase_gpu_events WHERE end_us > start_us"
+        origin, width = t0, max((t1 - t0) * 2 * max(ranks, 1) / budget, 1.0)
+    o, w = repr(float(origin)), repr(float(width))  # literals: the query is pasted into others
+    return f"""
+        SELECT rank, is_nccl, {o} + bin * {w} AS start_us, {o} + bin * {w} + least(sum(end_us - start_us), {w}) AS end_us
+        FROM (SELECT rank, is_nccl, start_us, end_us, floor((start_us - {o}) / {w}) AS bin FROM phase_gpu_events)
+        GROUP BY rank, is_nccl, bin"""
 
 
-def _grid(spans: pl.DataFrame, lanes: list[str], kinds: list[str], t0: float, t1: float, nbins: int) -> tuple[list[str], float]:
+def _grid(spans: pl.DataFrame | str, lanes: list[str], kinds: list[str], t0: float, t1: float, nbins: int,
+          con: duckdb.DuckDBPyConnection | None = None) -> tuple[list[str], float]:
     """Cut the time axis into ``nbins`` bins; per lane and bin, the kind of span that fills most
-    of the bin. Returns one string per lane, one character per bin (``.`` = nothing,
-    ``a`` = ``kinds[0]``, ...), and the bin width in µs."""
+    of the bin. ``spans``: a frame, or a query on ``con``, with lane, kind, start_us, end_us.
+    Returns one string per lane, one character per bin (``.`` = nothing, ``a`` = ``kinds[0]``,
+    ...), and the bin width in µs."""
     width = max((t1 - t0) / nbins, 1.0)
-    code = {k: i for i, k in enumerate(kinds)}
-    row = {lane: i for i, lane in enumerate(lanes)}
-    start, end = pl.col("start_us"), pl.col("end_us")
-    df = (
-        spans.select("lane", "kind", "start_us", "end_us")
-        .with_columns(((start - t0) // width).cast(pl.Int64).clip(0, nbins - 1).alias("b0"),
-                      ((end - t0) // width).cast(pl.Int64).clip(0, nbins - 1).alias("b1"))
-        .with_columns(pl.int_ranges("b0", pl.col("b1") + 1).alias("bin")).explode("bin")
-        .with_columns((pl.min_horizontal(end, t0 + (pl.col("bin") + 1) * width)
-                       - pl.max_horizontal(start, t0 + pl.col("bin") * width)).alias("overlap"))
-        .filter(pl.col("overlap") > 0)
-        .group_by("lane", "bin", "kind").agg(pl.col("overlap").sum())
-        .sort("overlap", descending=True).unique(["lane", "bin"], keep="first")
-    )
+    own = con is None
+    con = duckdb.connect() if own else con
+    source = spans
+    if isinstance(spans, pl.DataFrame):
+        con.register("_report_grid_spans", spans.select("lane", "kind", "start_us", "end_us").to_arrow())
+        source = "SELECT * FROM _report_grid_spans"
+    try:
+        # each span is cut at the bin edges it crosses; per lane and bin the kind with the
+        # largest total overlap wins
+        df = _q(con, f"""
+            WITH s AS (
+                SELECT lane, kind, start_us, end_us,
+                       least(greatest(floor((start_us - $t0) / $w), 0), $last)::BIGINT AS b0,
+                       least(greatest(floor((end_us - $t0) / $w), 0), $last)::BIGINT AS b1
+                FROM ({source})
+            ), cut AS (
+                SELECT lane, kind, bin,
+                       least(end_us, $t0 + (bin + 1) * $w) - greatest(start_us, $t0 + bin * $w) AS overlap
+                FROM (SELECT *, unnest(range(b0, b1 + 1)) AS bin FROM s)
+            ), per_kind AS (
+                SELECT lane, bin, kind, sum(overlap) AS overlap FROM cut WHERE overlap > 0 GROUP BY lane, bin, kind
+            )
+            SELECT lane, bin, arg_max(kind, overlap) AS kind FROM per_kind GROUP BY lane, bin""",
+                {"t0": float(t0), "w": float(width), "last": nbins - 1})
+    finally:
+        if isinstance(spans, pl.DataFrame):
+            con.unregister("_report_grid_spans")
+        if own:
+            con.close()
     cells = np.full((len(lanes), nbins), ord("."), dtype=np.uint8)
     if df.height:
-        lane_idx = df["lane"].replace_strict(row, return_dtype=pl.Int64).to_numpy()
-        kind_code = df["kind"].replace_strict(code, return_dtype=pl.Int64).to_numpy()
+        lane_idx = df["lane"].replace_strict({lane: i for i, lane in enumerate(lanes)}, return_dtype=pl.Int64).to_numpy()
+        kind_code = df["kind"].replace_strict({k: i for i, k in enumerate(kinds)}, return_dtype=pl.Int64).to_numpy()
         cells[lane_idx, df["bin"].to_numpy()] = 97 + kind_code
     return [bytes(r).decode("ascii") for r in cells], width
 
@@ -226,22 +252,50 @@ def _lane_order(lanes: list[str]) -> list[str]:
     return sorted(lanes, key=key)
 
 
+def _timeline_present(con: duckdb.DuckDBPyConnection, spans: pl.DataFrame | None) -> pl.DataFrame:
+    """The lanes and kinds that have spans, with their first start and last end: from the
+    fetched ``spans``, or (``None``) from the views."""
+    if spans is not None:
+        return spans.group_by("lane", "kind").agg(pl.col("start_us").min(), pl.col("end_us").max())
+    return _q(con, f"""
+        SELECT {_lane_sql('rank')} AS lane, {KIND_SQL} AS kind, min(start_us) AS start_us, max(end_us) AS end_us
+        FROM phase_timeline WHERE end_us > start_us GROUP BY rank, phase, sub_phase
+        UNION ALL
+        SELECT {_lane_sql('rank', gpu=True)}, {GPU_KIND_SQL}, min(start_us), max(end_us)
+        FROM phase_gpu_events GROUP BY rank, is_nccl""")
+
+
 def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tuple[dict | None, dict]:
-    spans = _timeline_spans(con)
-    info: dict[str, Any] = {"spans": spans.height, "segments": 0, "aggregated": False, "bin_s": 0.0}
+    n_spans, n_gpu = con.execute("""SELECT (SELECT count(*) FROM phase_timeline WHERE end_us > start_us),
+                                           (SELECT count(*) FROM phase_gpu_events)""").fetchall()[0]
+    info: dict[str, Any] = {"spans": n_spans + n_gpu, "segments": 0, "aggregated": False, "bin_s": 0.0}
+    # beyond MAX_SEGMENTS phase spans the grid is computed in the database: no span is fetched
+    spans = _timeline_spans(con) if n_spans <= MAX_SEGMENTS else None
+    present = _timeline_present(con, spans)
     ev_ts = [e["ts_us"] for e in evidence if e.get("ts_us") is not None]
-    if spans.is_empty() and not ev_ts:
+    if present.is_empty() and not ev_ts:
         return None, info
-    t0 = min(([spans["start_us"].min()] if spans.height else []) + ev_ts)
-    t1 = max(([spans["end_us"].max()] if spans.height else []) + ev_ts)
-    lanes = _lane_order(sorted(set(spans["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
+    t0 = min(([present["start_us"].min()] if present.height else []) + ev_ts)
+    t1 = max(([present["end_us"].max()] if present.height else []) + ev_ts)
+    lanes = _lane_order(sorted(set(present["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
                                | {f"rank {e['rank']}" for e in evidence if e.get("ts_us") is not None and e.get("rank") is not None}))
     row = {lane: i for i, lane in enumerate(lanes)}
     traces: list[dict] = []
-    kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(spans["kind"].to_list())]
+    kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(present["kind"].to_list())]
     labels = {"gpu": "GPU kernels", "nccl": "NCCL kernels"}
-    if spans.height > MAX_SEGMENTS:
-        rows, width = _grid(spans, lanes, kinds, t0, t1, GRID_BINS)
+    if spans is None or spans.height > MAX_SEGMENTS:
+        source: pl.DataFrame | str
+        if spans is None:
+            width = max((t1 - t0) / GRID_BINS, 1.0)
+            source = f"""
+                SELECT {_lane_sql('rank')} AS lane, {KIND_SQL} AS kind, start_us, end_us
+                FROM phase_timeline WHERE end_us > start_us
+                UNION ALL
+                SELECT {_lane_sql('rank', gpu=True)}, {GPU_KIND_SQL}, start_us, end_us
+                FROM ({_gpu_lanes_sql(con, 0, origin=t0, width=width)})"""
+        else:
+            source = spans
+        rows, width = _grid(source, lanes, kinds, t0, t1, GRID_BINS, con=con)
         info.update(segments=GRID_BINS * len(lanes), aggregated=True, bin_s=width / 1e6)
         n = len(kinds)
         scale = []
@@ -429,20 +483,40 @@ RENDER_JS = """
     });
     return fig;
   }
-  var pending = 0;
+  var plots = [];
   ['timeline','steps','metrics'].forEach(function(k){
-    var fig = data.figures[k], div = document.getElementById('plot-' + k);
-    if(!fig || !div){return;}
-    pending++;
-    var t0 = performance.now();
-    Plotly.newPlot(div, expand(fig).data, fig.layout, config).then(function(){
-      div.setAttribute('data-rendered', '1');
-      div.setAttribute('data-render-ms', String(Math.round(performance.now() - t0)));
-      pending--;
-      if(pending === 0){document.body.setAttribute('data-report-ready', '1');}
-    });
+    var div = document.getElementById('plot-' + k);
+    if(data.figures[k] && div){plots.push({fig: data.figures[k], div: div, drawn: null});}
   });
-  if(pending === 0){document.body.setAttribute('data-report-ready', '1');}
+  function draw(p){
+    if(!p.drawn){
+      var t0 = performance.now();
+      p.drawn = Plotly.newPlot(p.div, expand(p.fig).data, p.fig.layout, config).then(function(){
+        p.div.setAttribute('data-rendered', '1');
+        p.div.setAttribute('data-render-ms', String(Math.round(performance.now() - t0)));
+      });
+    }
+    return p.drawn;
+  }
+  // The first plot (the timeline) and whatever starts on the first screen render now; plots
+  // further down when scrolled near (or before printing): a large run's page is usable sooner.
+  var lazy = typeof IntersectionObserver === 'function';
+  var now = plots.filter(function(p, i){
+    return i === 0 || !lazy || p.div.getBoundingClientRect().top < window.innerHeight;
+  });
+  plots.forEach(function(p){ if(now.indexOf(p) < 0){p.div.setAttribute('data-deferred', '1');} });
+  if(lazy){
+    var seen = new IntersectionObserver(function(entries){
+      entries.forEach(function(en){
+        if(!en.isIntersecting){return;}
+        seen.unobserve(en.target);
+        plots.forEach(function(p){ if(p.div === en.target){draw(p);} });
+      });
+    }, {rootMargin: '300px 0px'});
+    plots.forEach(function(p){ if(now.indexOf(p) < 0){seen.observe(p.div);} });
+  }
+  window.addEventListener('beforeprint', function(){ plots.forEach(draw); });
+  Promise.all(now.map(draw)).then(function(){ document.body.setAttribute('data-report-ready', '1'); });
 })();
 """
 
@@ -556,73 +630,111 @@ def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyC
 
 def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") -> tuple[str, ReportResult]:
     """Build the report HTML from an open database connection."""
-    import plotly.offline
+    t_start = time.perf_counter()
+    # The diagnosis reads log lines and metrics, not the phase views: it runs on a connection
+    # of its own while this one materialises the phase views (DuckDB releases the GIL).
+    diag_con = con.cursor()
+    try:
+        diag_con.execute("SET enable_progress_bar = false").fetchall()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-report") as pool:
+            diag_future = pool.submit(_diagnosis, diag_con)
+            with ph.cached(con):
+                diag, diag_note = diag_future.result()
+                content = _content(con, diag, diag_note)
+    finally:
+        diag_con.close()
+    page = _page(title, con.execute("SELECT current_database()").fetchall()[0][0], content)
+    tinfo = content["tinfo"]
+    result = ReportResult(path="", bytes=len(page.encode("utf-8")), seconds=time.perf_counter() - t_start,
+                          spans=tinfo["spans"], segments=tinfo["segments"], aggregated=tinfo["aggregated"],
+                          notes=content["notes"])
+    return page, result
 
+
+def _content(con: duckdb.DuckDBPyConnection, diag: dict | None, diag_note: str | None) -> dict[str, Any]:
+    """What the page shows, read from the database (inside ``ph.cached``)."""
     from . import findings as fd
 
-    t_start = time.perf_counter()
-    notes: list[str] = []
-    with ph.cached(con):
-        diag, diag_note = _diagnosis(con)
-        if diag_note:
-            notes.append(diag_note)
-        evidence: list[dict] = []
-        if diag:
-            for i, rc in enumerate(diag.get("root_causes") or []):
-                evidence += [{**e, "_cause": i} for e in rc.get("evidence") or []]
-        else:
-            evidence = [{**e, "_cause": 0} for e in _fallback_evidence(con)]
-        evidence = _locate_evidence(con, evidence)
-        found = list(diag.get("findings") or []) if diag else []
-        seen = {(f.get("id"), f.get("rank"), f.get("detail")) for f in found}
-        for f in fd.findings(con):
-            if (f["id"], f["rank"], f["detail"]) not in seen:
-                found.append(f)
-        failure_step = _failure_step(diag, evidence, con)
-        timeline, tinfo = _timeline_figure(con, evidence)
-        steps_fig, _ = _steps_figure(con, failure_step)
-        metrics_fig = _metrics_figure(con, failure_step)
-        inventory = _inventory_html(con)
+    notes = [diag_note] if diag_note else []
+    evidence: list[dict] = []
+    if diag:
+        for i, rc in enumerate(diag.get("root_causes") or []):
+            evidence += [{**e, "_cause": i} for e in rc.get("evidence") or []]
+    else:
+        evidence = [{**e, "_cause": 0} for e in _fallback_evidence(con)]
+    evidence = _locate_evidence(con, evidence)
+    found = list(diag.get("findings") or []) if diag else []
+    seen = {(f.get("id"), f.get("rank"), f.get("detail")) for f in found}
+    for f in fd.findings(con):
+        if (f["id"], f["rank"], f["detail"]) not in seen:
+            found.append(f)
+    failure_step = _failure_step(diag, evidence, con)
+    timeline, tinfo = _timeline_figure(con, evidence)
+    steps_fig, _ = _steps_figure(con, failure_step)
     if tinfo["aggregated"]:
         notes.append(f"The timeline has {tinfo['spans']:,} spans and GPU intervals; to stay responsive it shows them "
                      f"aggregated into bins of {tinfo['bin_s']:.3g} s per lane, each bin colored by the phase (or GPU "
                      "activity) that filled most of it; zooming in does not show finer detail. Query `phase_timeline` "
                      "and `phase_gpu_events` for every span.")
-    data = {"figures": {"timeline": timeline, "steps": steps_fig, "metrics": metrics_fig}}
+    figures = {"timeline": timeline, "steps": steps_fig, "metrics": _metrics_figure(con, failure_step)}
+    for fig in figures.values():
+        _allow_tick_overflow(fig)
+    return {"diag": diag, "diag_note": diag_note, "evidence": evidence, "findings": found, "tinfo": tinfo, "notes": notes,
+            "figures": figures, "inventory": _inventory_html(con)}
+
+
+def _allow_tick_overflow(fig: dict | None) -> None:
+    """Let tick labels overflow the plot. Plotly's default for numeric axes hides the labels
+    that would leave the div, and finds them by measuring every label in the browser: on the
+    timeline's lane axis of a large run that is most of the page's drawing time."""
+    for key, axis in (fig or {}).get("layout", {}).items():
+        if key.startswith(("xaxis", "yaxis")):
+            axis.setdefault("ticklabeloverflow", "allow")
+
+
+def _plot_div(name: str, fig: dict | None, missing: str) -> str:
+    """The element a figure renders into, as tall as the figure will be (so that the page does
+    not move while plots render, and the script can tell which plots start off screen)."""
+    if not fig:
+        return f'<p class="note">{esc(missing)}</p>'
+    return f'<div id="plot-{name}" class="plot" style="height:{int(fig["layout"]["height"])}px"></div>'
+
+
+def _page(title: str, db_name: str, c: dict[str, Any]) -> str:
+    import plotly.offline
+
     generated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    db_name = con.execute("SELECT current_database()").fetchall()[0][0]
-    verdict = (diag or {}).get("verdict", "unknown")
+    verdict = (c["diag"] or {}).get("verdict", "unknown")
+    figures = c["figures"]
     body = [
         f"<header><h1>{esc(title)}</h1><div class=\"sub\">database {esc(db_name)} · generated {esc(generated)} · "
         f"verdict: {esc(verdict)}</div></header><main>",
-        _card_html(diag, diag_note, evidence),
-        _findings_html(found),
+        _card_html(c["diag"], c["diag_note"], c["evidence"]),
+        _findings_html(c["findings"]),
         '<section id="timeline"><h2>Timeline</h2>',
-        "".join(f'<p class="note">{esc(n)}</p>' for n in notes if not n.startswith("diagnosis")),
-        '<div id="plot-timeline"></div>' if timeline else '<p class="note">No phase spans: no profiler trace, Ray timeline, '
-        "marker lines or timed metrics with time stamps.</p>",
+        "".join(f'<p class="note">{esc(n)}</p>' for n in c["notes"] if not n.startswith("diagnosis")),
+        _plot_div("timeline", figures["timeline"], "No phase spans: no profiler trace, Ray timeline, marker lines or "
+                  "timed metrics with time stamps."),
         '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines (open crosses: lines without '
         'a time stamp of their own, placed at the last stamped line of that rank\'s files).</p></section>',
         '<section id="steps"><h2>Phases per step</h2>',
-        '<div id="plot-steps"></div>' if steps_fig else '<p class="note">No per-step phase figures.</p>',
+        _plot_div("steps", figures["steps"], "No per-step phase figures."),
         "</section>",
         '<section id="metrics"><h2>Training metrics</h2>',
-        '<div id="plot-metrics"></div>' if metrics_fig else '<p class="note">No training metrics.</p>',
+        _plot_div("metrics", figures["metrics"], "No training metrics."),
         "</section>",
-        inventory,
+        c["inventory"],
         "</main>",
     ]
-    page = (
+    # the scripts come last: the browser shows the incident card before it runs plotly.js
+    return (
         "<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-        f"<title>{esc(title)}</title><style>{CSS}</style>"
-        f"<script>{plotly.offline.get_plotlyjs()}</script></head><body>"
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
         + "".join(body)
-        + f'<script type="application/json" id="report-data">{script_json(data)}</script>'
+        + f"<script>{plotly.offline.get_plotlyjs()}</script>"
+        + f'<script type="application/json" id="report-data">{script_json({"figures": figures})}</script>'
         + f"<script>{RENDER_JS}</script></body></html>"
     )
-    result = ReportResult(path="", bytes=len(page.encode("utf-8")), seconds=time.perf_counter() - t_start,
-                          spans=tinfo["spans"], segments=tinfo["segments"], aggregated=tinfo["aggregated"], notes=notes)
-    return page, result
 
 
 def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | None = None) -> ReportResult:

@@ -131,17 +131,31 @@ def test_large_timelines_become_a_grid():
     assert rows == ["c" * 100]
 
 
-def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch):
+@pytest.mark.parametrize("max_segments, fetched", [(10, False), (36, True)], ids=["grid-in-db", "grid-of-fetched-spans"])
+def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch, max_segments, fetched):
+    """The fixture has 36 phase spans and 24 GPU events. Beyond MAX_SEGMENTS phase spans the
+    grid is computed in the database; with fewer, but too many together with the GPU bars, the
+    fetched spans are gridded."""
     db = build_db(tmp_path, "phase_straggler")
-    monkeypatch.setattr(rp, "MAX_SEGMENTS", 10)
+    monkeypatch.setattr(rp, "MAX_SEGMENTS", max_segments)
     monkeypatch.setattr(rp, "MAX_STEP_BARS", 2)
+    fetches = []
+    spans = rp._timeline_spans
+    monkeypatch.setattr(rp, "_timeline_spans", lambda con: fetches.append(1) or spans(con))
     out = tmp_path / "big.html"
     result = rp.write_report(db, out)
     page = out.read_text()
-    assert result.aggregated and "aggregated into bins" in page
+    assert bool(fetches) == fetched
+    assert result.aggregated and "aggregated into bins" in page and result.spans == 36 + 24
     figs = embedded_data(page)["figures"]
     heat = [t for t in figs["timeline"]["data"] if t["type"] == "heatmap"]
-    assert len(heat) == 1 and len(heat[0]["_zrows"]) == len(figs["timeline"]["layout"]["yaxis"]["ticktext"])
+    lanes = figs["timeline"]["layout"]["yaxis"]["ticktext"]
+    assert len(heat) == 1 and len(heat[0]["_zrows"]) == len(lanes)
+    # every lane with spans has cells: phases on the rank lanes, GPU activity on the GPU lanes
+    kinds = heat[0]["colorbar"]["ticktext"]
+    for lane, cells in zip(lanes, heat[0]["_zrows"]):
+        drawn = {kinds[ord(c) - 97] for c in set(cells) - {"."}}
+        assert drawn and (drawn <= {"GPU kernels", "NCCL kernels"}) == lane.endswith("GPU"), (lane, drawn)
     assert {t["type"] for t in figs["steps"]["data"]} == {"scatter"}  # stacked area, not thousands of bars
 
 

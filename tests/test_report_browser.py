@@ -44,6 +44,16 @@ def open_report(browser, path):
     return page, errors, requests, time.perf_counter() - t0
 
 
+def scroll_to_every_plot(page) -> None:
+    """Plots that start below the first screen render when scrolled near: scroll to each and
+    wait for it (a deferred plot is not drawn before)."""
+    for div in page.locator(".plot").all():
+        if div.get_attribute("data-deferred") == "1" and div.get_attribute("data-rendered") != "1":
+            assert div.locator("svg.main-svg").count() == 0
+        div.scroll_into_view_if_needed()
+        page.wait_for_selector(f'#{div.get_attribute("id")}[data-rendered="1"]', state="attached", timeout=30_000)
+
+
 def test_report_renders_and_log_markup_stays_text(browser, tmp_path, monkeypatch):
     db = xss_db(tmp_path)
     crafted_diagnosis(monkeypatch)
@@ -53,6 +63,11 @@ def test_report_renders_and_log_markup_stays_text(browser, tmp_path, monkeypatch
     try:
         assert errors == []
         assert requests == []  # nothing fetched: the page is self-contained
+        # the timeline renders at once; the plots below the first screen when scrolled to
+        assert page.get_attribute("#plot-timeline", "data-rendered") == "1"
+        assert page.locator(".plot[data-deferred]").count() >= 1  # the incident card fills the first screen
+        scroll_to_every_plot(page)
+        assert errors == []
         # every plot rendered into SVG, with bars / lines in it
         for div in ("timeline", "steps", "metrics"):
             assert page.get_attribute(f"#plot-{div}", "data-rendered") == "1"
@@ -86,6 +101,13 @@ def test_aggregated_report_renders(browser, tmp_path, monkeypatch):
     try:
         assert errors == [] and requests == []
         assert page.locator("#plot-timeline .heatmaplayer image, #plot-timeline .hm image").count() == 1
+        # printing draws the plots not scrolled to yet
+        assert page.get_attribute("#plot-metrics", "data-deferred") == "1"
+        assert page.get_attribute("#plot-metrics", "data-rendered") is None
+        page.evaluate("window.dispatchEvent(new Event('beforeprint'))")
+        for div in ("steps", "metrics"):
+            page.wait_for_selector(f'#plot-{div}[data-rendered="1"]', state="attached", timeout=30_000)
+        assert errors == []
         assert page.locator("#plot-steps .scatterlayer .js-fill").count() >= 3
         assert page.evaluate("window.__pwned === undefined")
     finally:
