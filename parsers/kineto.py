@@ -574,6 +574,8 @@ _NO_ARGS_VALUE = _Args()
 # contain is all null without looking at the events)
 _TOP_FIELDS = [(k, c, t, f'"{k}"'.encode()) for k, (c, t) in _TOP.items()]
 _ARGS_FIELDS = [(c, c, t, f'"{k}"'.encode()) for k, (c, t) in _ARGS.items()]
+_COMMON_ARGS = ("external_id", "correlation", "device", "stream")  # in most batches of a Kineto trace
+_RARE_ARGS_KEYS = [key.decode() for attr, _, _, key in _ARGS_FIELDS if attr not in _COMMON_ARGS]
 _NEWLINE_RUN = r"[ \t\r]*\n[ \t\r\n]*"
 
 
@@ -614,8 +616,9 @@ def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
     del events
     cols.append(_args_text(raws, joined, n))
     del raws
+    rare = cols[-1].str.contains_any(_RARE_ARGS_KEYS).any()  # one pass instead of one per key
     for attr, column, type_, key in _ARGS_FIELDS:
-        if key in joined:
+        if (rare or attr in _COMMON_ARGS) and key in joined:
             cols.append(pl.Series(column, list(map(attrgetter(attr), args)), dtype=type_))
         else:
             cols.append(pl.Series(column, dtype=type_).extend_constant(None, n))
@@ -660,14 +663,23 @@ def _start_lines(text: bytes, line: int, sep: bytes, n: int) -> np.ndarray:
     if b"\n" not in text:
         return np.full(n, line, dtype=np.int64)
     view = np.frombuffer(text, dtype=np.uint8)
-    found = np.flatnonzero(view[: len(view) - len(sep) + 1] == sep[0])
-    for k in range(1, len(sep)):
-        found = found[view[found + k] == sep[k]]
-    first = len(text) - len(text.lstrip(_WS))
+    newlines = np.flatnonzero(view == 10)
+    last = len(view) - len(sep)  # the last offset a separator can start at
+    j = sep.find(b"\n")
+    if j >= 0:  # candidates: the line feeds, as the separator's own
+        found = newlines[(newlines >= j) & (newlines <= last + j)] - j
+    else:
+        found = np.flatnonzero(view[: last + 1] == sep[0])
+        j = 0
+    for k in sorted(range(len(sep)), key=lambda k: sep[k] in _WS):  # brackets first: they thin out the most
+        if k != j:
+            found = found[view[found + k] == sep[k]]
+    first = 0
+    while text[first] in _WS:
+        first += 1
     starts = np.concatenate(([first], found + len(sep) - 1))
     if len(starts) != n:  # a separator written otherwise, or one inside a nested value
         starts = np.asarray(_element_starts(bytearray(text), 0, len(text)), dtype=np.int64)
-    newlines = np.flatnonzero(view == 10)
     return line + np.searchsorted(newlines, starts).astype(np.int64)
 
 
