@@ -8,9 +8,15 @@ profiled steps (kernels, memcpy, memset) are replicated for the first three step
 rank (profilers usually cover a few steps); timing metrics and step marker lines are replicated per step.
 
 Targets: report written in < 5 s, HTML < 15 MB, page interactive in the browser in < 3 s
-(navigation to load + every plot rendered, measured with headless Chromium when available).
+(from navigation until the page is loaded and the plots of the first screen, the timeline
+included, have rendered; plots further down render when scrolled near), measured with
+headless Chromium when available.
 
-    python bench/bench_report.py [--steps 1000] [--ranks 64] [--keep DIR [--reuse]]
+The report is written ``--repeat`` times and the page loaded as often; each run is printed
+with the 1-minute load average before it, and the targets are checked on the medians (the
+machine is shared: the best run says what the code can do, the median what a user sees).
+
+    python bench/bench_report.py [--steps 1000] [--ranks 64] [--repeat 3] [--keep DIR [--reuse]]
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -119,7 +126,8 @@ def build(db: Path, steps: int, ranks: int, work: Path) -> dict:
     return counts
 
 
-def browser_time(html: Path) -> float | None:
+def browser_times(html: Path, repeat: int) -> list[float] | None:
+    """Seconds from navigation to ``body[data-report-ready]``, once per fresh page."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -128,19 +136,22 @@ def browser_time(html: Path) -> float | None:
         return None
     args = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
             "--disable-sync", "--no-first-run"]
+    times = []
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=args)
-        best = None
-        for _ in range(2):
+        for _ in range(repeat):
             page = b.new_page(viewport={"width": 1400, "height": 900})
+            load = os.getloadavg()[0]
             t = time.perf_counter()
             page.goto(html.as_uri())
             page.wait_for_selector('body[data-report-ready="1"]', state="attached", timeout=120_000)
-            took = time.perf_counter() - t
-            best = took if best is None else min(best, took)
+            times.append(time.perf_counter() - t)
+            rendered = page.evaluate("""() => Array.from(document.querySelectorAll('.plot'), d =>
+                d.id + (d.getAttribute('data-rendered') ? ' ' + d.getAttribute('data-render-ms') + ' ms' : ' deferred'))""")
+            print(f"  load {load:.2f}: interactive in {times[-1]:.2f} s ({', '.join(rendered)})")
             page.close()
         b.close()
-    return best
+    return times
 
 
 def main(argv: list[str]) -> int:
@@ -149,6 +160,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--keep", help="keep the database and report in this folder")
     ap.add_argument("--reuse", action="store_true", help="with --keep: use the database built by an earlier run")
+    ap.add_argument("--repeat", type=int, default=3, help="write the report and load the page this many times")
     a = ap.parse_args(argv)
     work = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="bench-report-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -165,16 +177,25 @@ def main(argv: list[str]) -> int:
             print(f"built {a.steps} steps x {a.ranks} ranks in {time.perf_counter() - t:.1f} s: {counts}")
         Store(db).close()  # views of this checkout
         out = work / "report.html"
-        cpu0 = time.process_time()
-        r = report.write_report(db, out)
-        cpu = time.process_time() - cpu0  # all threads of this process: a figure less sensitive to other load
-        print(f"report: {r.seconds:.2f} s ({cpu:.2f} s CPU), {r.bytes / 1e6:.1f} MB, {r.spans:,} spans -> "
-              f"{f'{r.segments:,} grid cells (aggregated)' if r.aggregated else f'{r.segments:,} bars'}")
-        tti = browser_time(out)
-        print(f"browser: {'n/a (no chromium/playwright)' if tti is None else f'{tti:.2f} s to interactive'}")
-        ok = r.seconds < 5 and r.bytes < 15e6 and (tti is None or tti < 3)
-        print(json.dumps({"write_s": round(r.seconds, 2), "write_cpu_s": round(cpu, 2), "load_avg_1m": os.getloadavg()[0], "html_mb": round(r.bytes / 1e6, 2),
-                          "interactive_s": None if tti is None else round(tti, 2), "targets_met": ok}))
+        walls, cpus = [], []
+        for _ in range(a.repeat):
+            load = os.getloadavg()[0]
+            cpu0 = time.process_time()
+            r = report.write_report(db, out)
+            cpus.append(time.process_time() - cpu0)  # all threads of this process: less sensitive to other load
+            walls.append(r.seconds)
+            print(f"  load {load:.2f}: report {r.seconds:.2f} s ({cpus[-1]:.2f} s CPU), {r.bytes / 1e6:.1f} MB, "
+                  f"{r.spans:,} spans -> {f'{r.segments:,} grid cells (aggregated)' if r.aggregated else f'{r.segments:,} bars'}")
+        tti = browser_times(out, a.repeat)
+        if tti is None:
+            print("browser: n/a (no chromium/playwright)")
+        ok = statistics.median(walls) < 5 and r.bytes < 15e6 and (tti is None or statistics.median(tti) < 3)
+        print(json.dumps({
+            "write_s": round(statistics.median(walls), 2), "write_best_s": round(min(walls), 2),
+            "write_cpu_s": round(statistics.median(cpus), 2), "html_mb": round(r.bytes / 1e6, 2),
+            "interactive_s": None if tti is None else round(statistics.median(tti), 2),
+            "interactive_best_s": None if tti is None else round(min(tti), 2),
+            "load_avg_1m": round(os.getloadavg()[0], 2), "targets_met": ok}))
         return 0
     finally:
         if not a.keep:
