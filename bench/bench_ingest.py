@@ -12,6 +12,7 @@ unless --keep is given.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -112,7 +113,7 @@ def main() -> None:
         nbytes = build(folder, args.corpus, args.size_mb)
         nfiles = sum(1 for _ in folder.rglob("*") if _.is_file())
         print(f"built {nbytes / 1e6:.0f} MB in {nfiles} files in {time.perf_counter() - t0:.1f} s ({folder})")
-        cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--quiet"]
+        cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--json"]
         if args.workers:
             cmd += ["--workers", str(args.workers)]
         wall, peak, proc = run_measured(cmd)
@@ -121,11 +122,17 @@ def main() -> None:
             raise SystemExit("ingest failed")
         import duckdb
 
+        report = json.loads(proc.stdout)
+        load_s = report["seconds"]
+
         con = duckdb.connect(str(db), read_only=True)
         lines_db, files_lines = con.execute("SELECT (SELECT count(*) FROM lines), (SELECT sum(lines) FROM files WHERE kind='text')").fetchone()
         con.close()
         physical = sum(_count_lines(p) for p in folder.rglob("*") if p.is_file())
-        print(f"forensics ingest: {wall:.2f} s, {nbytes / 1e6 / wall:.1f} MB/s, peak RSS {peak / 2**20:.0f} MiB (process tree), "
+        print(f"load avg {os.getloadavg()[0]:.1f}; forensics ingest, whole command: {wall:.2f} s, {nbytes / 1e6 / wall:.1f} MB/s; "
+              f"of which the ingest itself (walk, parse, load: `seconds` of --json) {load_s:.2f} s, {nbytes / 1e6 / load_s:.1f} MB/s; "
+              f"the rest is start-up and the diagnosis headline")
+        print(f"peak RSS {peak / 2**20:.0f} MiB (process tree), "
               f"{lines_db:,} rows in lines; files.lines {files_lines:,}; physical lines {physical:,} "
               f"({'accounting OK' if lines_db == files_lines == physical else 'ACCOUNTING MISMATCH'})")
         grep = ["grep", "-rcE", "|".join(GREP_PATTERNS), str(folder)]

@@ -77,6 +77,21 @@ class Series:
             self.lines.append(line_no)
             self.ts.append(ts)
 
+    @classmethod
+    def from_columns(cls, key: str, file_id: int, path: str, source: str | None, steps: list[int],
+                     values: list[float | None], lines: list[int | None], ts: list[Any]) -> "Series":
+        """A series from columns whose steps are already ascending and distinct."""
+        s = cls.__new__(cls)
+        s.key, s.file_id, s.path, s.source = key, file_id, path, source
+        s.steps, s.values, s.lines, s.ts = steps, values, lines, ts
+        return s
+
+    def index_of(self, step: int) -> int | None:
+        """Position of ``step`` in this series, or None."""
+        if not hasattr(self, "_index"):
+            self._index = {st: i for i, st in enumerate(self.steps)}
+        return self._index.get(step)
+
     def alarm(self, cls: str, detector: str, i: int, detail: str) -> Alarm:
         return Alarm(cls=cls, detector=detector, step=self.steps[i], key=self.key, value=self.values[i],
                      file_id=self.file_id, line_no=self.lines[i], path=self.path, source=self.source,
@@ -98,11 +113,10 @@ def load_series(con, patterns: list[str]) -> list[Series]:
             FROM metrics m JOIN files f USING (file_id)
             WHERE m.step >= 1 AND m.key IN ({", ".join("?" for _ in keys)})
             GROUP BY ALL ORDER BY m.file_id, m.key, m.step""", params=keys).to_arrow_table())
-    out = []
-    for (file_id, path, source, key), g in df.group_by(["file_id", "path", "source", "key"], maintain_order=True):
-        rows = list(zip(g["step"].to_list(), g["value"].to_list(), g["line_no"].to_list(), g["ts"].to_list()))
-        out.append(Series(key, file_id, path, source, rows))
-    return out
+    grouped = df.group_by(["file_id", "path", "source", "key"], maintain_order=True).agg("step", "value", "line_no", "ts")
+    # (the query made steps distinct and ordered them within each group)
+    return [Series.from_columns(key, file_id, path, source, steps, values, lines, stamps)
+            for file_id, path, source, key, steps, values, lines, stamps in grouped.iter_rows()]
 
 
 def _matching(series: list[Series], patterns: list[str]) -> list[Series]:
@@ -277,22 +291,19 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
     alarms += regime_change(series, rc)
     alarms += score_collapse(series, div.get("score_collapse") or {})
     alarms += entropy_collapse(series, col)
-    # same-step lines of the same metric in other files corroborate an alarm
-    by_key: dict[str, list[Series]] = {}
-    for s in series:
-        by_key.setdefault(s.key, []).append(s)
-    for a in alarms:
-        for s in by_key.get(a.key, []):
-            if s.file_id != a.file_id and a.step in s.steps:
-                line = s.lines[s.steps.index(a.step)]
-                if line is not None:
-                    a.also.append((s.path, line))
     alarms.sort(key=lambda a: (a.step, SOURCE_PREFERENCE.get(a.source or "", 9), a.path))
     # one alarm per detector: its earliest step, from the preferred kind of file
     first: dict[tuple[str, str], Alarm] = {}
     for a in alarms:
         first.setdefault((a.cls, a.detector), a)
     alarms = list(first.values())
+    # same-step lines of the same metric in other files corroborate an alarm
+    for a in alarms:
+        for s in series:
+            if s.key == a.key and s.file_id != a.file_id:
+                i = s.index_of(a.step)
+                if i is not None and s.lines[i] is not None:
+                    a.also.append((s.path, s.lines[i]))
     _step_times(con, alarms)
     return alarms
 

@@ -776,6 +776,15 @@ class _Diagnoser:
         self.cat = cat
         self.performance = performance
         self.markers = [(p, re.compile(rx), o) for p, rx, o in cat.phase_markers]
+        self._phases: dict[tuple[str | None, bool], str | None] = {}
+
+    def phase_of(self, text: str | None, frames_only: bool = False) -> str | None:
+        """:func:`_phase_of` with this run's markers, memoised (the ranks of a cascade
+        print the same tracebacks)."""
+        key = (text, frames_only)
+        if key not in self._phases:
+            self._phases[key] = _phase_of(text, self.markers, frames_only)
+        return self._phases[key]
 
     # -- hits ---------------------------------------------------------------------------
     def hits(self) -> list[Hit]:
@@ -904,7 +913,7 @@ class _Diagnoser:
             # traceback in another file); the failing Ray task's method; training not started
             ph, src = (h.rule.phase, "rule") if h.rule.phase else (None, None)
             if ph is None:
-                ph = _phase_of(h.body, self.markers, frames_only=True)
+                ph = self.phase_of(h.body, frames_only=True)
                 src = "frames" if ph else None
             if ph is None and h.proc is not None:
                 # the traceback of the same process: the same failure copied to another file,
@@ -915,14 +924,14 @@ class _Diagnoser:
                 for o in sorted(bodies_by_proc.get(h.proc, []), key=near):
                     if o.rule.id != h.rule.id and (o.file_id != h.file_id or abs((o.line_no or 0) - (h.line_no or 0)) > 40):
                         continue
-                    ph = _phase_of(o.body, self.markers, frames_only=True)
+                    ph = self.phase_of(o.body, frames_only=True)
                     if ph:
                         src = "frames"
                         break
             if ph is None and h.proc is not None and h.proc in task_methods:
-                ph, src = _phase_of(task_methods[h.proc], self.markers), "ray_task"
+                ph, src = self.phase_of(task_methods[h.proc]), "ray_task"
             if ph is None and h.event_line is None:  # what the line itself talks about ("tool calls")
-                ph = _phase_of(h.message, self.markers)
+                ph = self.phase_of(h.message)
                 src = "message" if ph else None
             if ph is None and facts.before_first_step(h, first_metric_line):
                 ph, src = "init", "before_first_step"
@@ -1175,7 +1184,7 @@ class _Diagnoser:
             if phases:
                 phase = phases.most_common(1)[0][0]
         if phase is None:  # the step phase the workers' failing Ray tasks were in
-            run_phases = {_phase_of(m, self.markers) for m in facts.task_methods.values()} - {None}
+            run_phases = {self.phase_of(m) for m in facts.task_methods.values()} - {None}
             if len(run_phases) == 1:
                 phase = run_phases.pop()
         step = origin.step

@@ -22,6 +22,8 @@ import duckdb
 import polars as pl
 import yaml
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+
 SIGNATURES = Path(__file__).resolve().parent.parent / "signatures"
 PHASES_YAML = SIGNATURES / "phases.yaml"
 
@@ -37,7 +39,7 @@ class PhaseRulesError(ValueError):
 def load_rules(path: str | Path = PHASES_YAML) -> tuple[list[dict[str, Any]], dict[str, str], str]:
     """Read the YAML file: (rule rows, settings, sha256 of the file)."""
     raw = Path(path).read_bytes()
-    doc = yaml.safe_load(raw) or {}
+    doc = yaml.load(raw, Loader=_YAML_LOADER) or {}
     rules_in = doc.get("rules")
     if not isinstance(rules_in, list) or not rules_in:
         raise PhaseRulesError(f"{path}: `rules` must be a non-empty list")

@@ -46,6 +46,8 @@ BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
 TMP_PREFIX = "forensics-"  # the ingest's temporary folder: forensics-<pid>-<random>
 DB_MEMORY = "1GB"  # DuckDB memory limit while ingesting (env FORENSICS_DB_MEMORY)
+DB_THREADS = 1  # DuckDB threads while ingesting (env FORENSICS_DB_THREADS)
+DB_CHECKPOINT = "256MB"  # WAL size that triggers a checkpoint while ingesting (env FORENSICS_DB_CHECKPOINT)
 
 
 class IngestError(RuntimeError):
@@ -581,6 +583,12 @@ def ingest(
     # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by default);
     # ingest needs little of it, and more is not faster
     store.con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)])
+    # one writer thread: the parser processes need the cores, and DuckDB writes each
+    # insert as full row groups instead of one partial group per thread (measured on
+    # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
+    store.con.execute("SET threads = ?", [int(os.environ.get("FORENSICS_DB_THREADS", DB_THREADS))])
+    # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
+    store.con.execute("SET checkpoint_threshold = ?", [os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)])
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
     tmp_root = make_tmp_root()
@@ -718,7 +726,9 @@ class _Batch:
     at most the uncommitted group, and a re-run redoes exactly those files. (A big
     file is committed in pieces: see Store.mark_loading.)"""
 
-    MAX_FILES, MAX_ROWS, MAX_SECONDS = 64, 2_000_000, 2.0
+    # Few big commits: a small one makes DuckDB log its rows to the WAL and checkpoint
+    # often, which cost 3x the CPU of the insert itself on 105 MB of small files.
+    MAX_FILES, MAX_ROWS, MAX_SECONDS = 2000, 500_000, 10.0
 
     def __init__(self, store: Store):
         self.store = store

@@ -45,6 +45,8 @@ from typing import Any, Iterable
 
 import yaml
 
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+
 ROLES = {
     "cause": "a concrete root cause (OOM, crash, hardware fault, network error, data error, ...)",
     "fallback": "a failure that is the root cause only when no concrete cause is visible (watchdog timeout, actor death, generic exception)",
@@ -215,7 +217,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
         for f in files:
             sources.append(str(f))
             try:
-                doc = yaml.safe_load(f.read_text(encoding="utf-8"))
+                doc = yaml.load(f.read_text(encoding="utf-8"), Loader=_YAML_LOADER)
             except yaml.YAMLError as exc:
                 raise SignatureError(f"{f}: not valid YAML: {exc}") from None
             if not isinstance(doc, dict) or not set(doc) & SECTIONS or _foreign_rules(doc):

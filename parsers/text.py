@@ -186,9 +186,16 @@ def lines_frame(data: bytes, ctx: FileContext, first_line: int, first_offset: in
 
 def base_columns(df: pl.DataFrame) -> pl.DataFrame:
     """Add the empty provenance columns and a cleaned ``message``."""
-    msg = pl.col("text").str.replace_all(_ANSI, "")
-    # progress bars: keep the last non-empty \r segment
-    last_seg = msg.str.replace(r"\r+$", "").str.extract(r"([^\r]*)$", 1)
+    text = df.get_column("text")
+    message = text
+    # only lines with an escape or a \r need work (a when/then would run it on all)
+    idx = df.select(pl.arg_where(pl.col("text").str.contains(r"[\x1b\r]"))).to_series()
+    if not idx.is_empty():
+        msg = text.gather(idx).str.replace_all(_ANSI, "")
+        # progress bars: keep the last non-empty \r segment
+        last_seg = msg.str.replace(r"\r+$", "").str.extract(r"([^\r]*)$", 1)
+        cleaned = pl.select(pl.when(msg.str.contains("\r", literal=True)).then(last_seg).otherwise(msg)).to_series()
+        message = text.clone().scatter(idx, cleaned)
     return df.with_columns(
         pl.lit(None, pl.Datetime("us")).alias("ts"),
         pl.lit(None, pl.String).alias("ts_quality"),
@@ -199,7 +206,7 @@ def base_columns(df: pl.DataFrame) -> pl.DataFrame:
         pl.lit(None, pl.Int32).alias("local_rank"),
         pl.lit(None, pl.Int32).alias("repeat"),
         pl.lit(None, pl.Int64).alias("event_line"),
-        pl.when(pl.col("text").str.contains("\r", literal=True)).then(last_seg).otherwise(msg).alias("message"),
+        message.alias("message"),
     )
 
 
@@ -291,8 +298,19 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     """
     msg = pl.col("message")
     start = msg.str.contains(r"^\s*Traceback \(most recent call last\):")
-    if not df.select(start.any()).item():
+    fids = df.filter(start).get_column("file_id").unique()
+    if fids.is_empty():
         return df
+    if fids.len() < df.get_column("file_id").n_unique():
+        # a batch of many files: only those with a traceback need the window work
+        idx = df.select(pl.arg_where(pl.col("file_id").is_in(fids.implode()))).to_series()
+        marked = _mark_tracebacks(df[idx], start).get_column("event_line")
+        return df.with_columns(df.get_column("event_line").clone().scatter(idx, marked))
+    return _mark_tracebacks(df, start)
+
+
+def _mark_tracebacks(df: pl.DataFrame, start: pl.Expr) -> pl.DataFrame:
+    msg = pl.col("message")
     key = [pl.col("file_id"), pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
     indented = msg.str.contains(r"^(?:\s|\^|~)") | (msg.str.strip_chars() == "")
     tmp = df.with_columns(

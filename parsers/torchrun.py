@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 
 from .base import FILE_ID, LINE_NO, FileContext, Table, col
-from .text import g
+from .text import apply_header, g
 
 CHILD_FAILURES = Table(
     "child_failures",
@@ -46,22 +46,12 @@ def rank_from_path(path: str) -> int | None:
 
 
 def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
-    msg = df.get_column("message")
-    if msg.str.starts_with("[").any():
-        m = msg.str.extract_groups(_TEE)
-        hit = m.struct.field("h").is_not_null() & (m.struct.field("role") != "rank")
-        if hit.any():
-            df = df.with_columns(m.alias("_m"), hit.alias("_hit")).with_columns(
-                pl.when(pl.col("_hit")).then(g("lr").cast(pl.Int32)).otherwise(pl.col("local_rank")).alias("local_rank"),
-                pl.when(pl.col("_hit")).then(pl.col("message").str.slice(g("h").str.len_chars())).otherwise(pl.col("message")).alias("message"),
-            ).drop("_m", "_hit")
-        m = df.get_column("message").str.extract_groups(_RANK)
-        hit = m.struct.field("h").is_not_null()
-        if hit.any():
-            df = df.with_columns(m.alias("_m"), hit.alias("_hit")).with_columns(
-                pl.when(pl.col("_hit")).then(g("rank").cast(pl.Int32)).otherwise(pl.col("rank")).alias("rank"),
-                pl.when(pl.col("_hit")).then(pl.col("message").str.slice(g("h").str.len_chars())).otherwise(pl.col("message")).alias("message"),
-            ).drop("_m", "_hit")
+    # prefixes are matched (and stripped) on the rows that can carry them only
+    starts = pl.col("message").str.starts_with("[")
+    df = apply_header(df, _TEE, None, {"local_rank": g("lr").cast(pl.Int32)}, only_unset=False,
+                      prefilter=starts & ~pl.col("message").str.contains(r"^\[rank\d+\]:"))
+    df = apply_header(df, _RANK, None, {"rank": g("rank").cast(pl.Int32)}, only_unset=False,
+                      prefilter=pl.col("message").str.starts_with("[rank"))
     extra = {}
     if df.get_column("message").str.contains("ChildFailedError", literal=True).any() or df.get_column("message").str.contains("Root Cause (first observed failure)", literal=True).any():
         extra["child_failures"] = child_failures(df)

@@ -14,6 +14,7 @@ import json
 import math
 from typing import BinaryIO
 
+import orjson
 import polars as pl
 import pyarrow as pa
 
@@ -68,14 +69,30 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         )
         .drop("_c")
         .filter(pl.col("key").is_not_null() & (pl.col("key") != "step"))
-        .with_columns(numeric_value(pl.col("value_text")).alias("value"), pl.lit("console").alias("source"))
+        .with_columns(pl.lit("console").alias("source"))
         .drop("message", "kv")
     )
-    return df, {"metrics": pairs}
+    return df, {"metrics": pairs.with_columns(numeric_values(pairs.get_column("value_text")).alias("value"))}
+
+
+def numeric_values(text: pl.Series) -> pl.Series:
+    """:func:`numeric_value` of a column, the regexes run only on values that are not
+    plain numbers (most are)."""
+    value = text.cast(pl.Float64, strict=False)
+    idx = pl.select(pl.arg_where(value.is_null() & text.is_not_null())).to_series()
+    if idx.is_empty():
+        return value
+    slow = pl.select(numeric_value(pl.lit(text.gather(idx)))).to_series()
+    return value.scatter(idx, slow)
 
 
 def _json_loads(text: str):
-    return json.loads(text, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
+    """One JSON record; Python's ``NaN`` / ``Infinity`` literals accepted (orjson refuses
+    them: such records take the slower standard parser)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
 
 
 def metric_rows(obj: dict, file_id: int, line_no: int, out: dict[str, list] | None = None) -> dict[str, list]:
@@ -86,22 +103,22 @@ def metric_rows(obj: dict, file_id: int, line_no: int, out: dict[str, list] | No
     step = obj.get("step", obj.get("_step", obj.get("global_step")))
     step = step if isinstance(step, int) and not isinstance(step, bool) else None
     data = obj.get("data") if isinstance(obj.get("data"), dict) else obj
-    for key, value in data.items():
-        if data is obj and key in ("step", "_step", "global_step"):
-            continue
+    keys = [k for k in data if not (data is obj and k in ("step", "_step", "global_step"))]
+    values, texts = out["value"], out["value_text"]
+    for key in keys:
+        value = data[key]
         if isinstance(value, (bool, int, float)):
-            num = float(value)
-            text = repr(value)
+            values.append(float(value))
+            texts.append(repr(value))
         else:
-            num = None
-            text = value if isinstance(value, str) else json.dumps(value)
-        out["file_id"].append(file_id)
-        out["line_no"].append(line_no)
-        out["step"].append(step)
-        out["key"].append(str(key))
-        out["value"].append(num)
-        out["value_text"].append(text)
-        out["source"].append("jsonl")
+            values.append(None)
+            texts.append(value if isinstance(value, str) else json.dumps(value))
+    n = len(keys)
+    out["file_id"].extend([file_id] * n)
+    out["line_no"].extend([line_no] * n)
+    out["step"].extend([step] * n)
+    out["key"].extend(map(str, keys))
+    out["source"].extend(["jsonl"] * n)
     return out
 
 

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import random
 import shutil
 import signal
 import stat
@@ -211,7 +212,10 @@ def build_hostile(base: Path) -> tuple[Path, dict[str, Expect]]:
     put("gz/zero.log.gz", b"", Expect({"skipped"}, "skipped", "empty file"))
     put("gz/header_only.log.gz", whole[:10], Expect({"skipped"}, "skipped", "does not decompress"))
     put("gz/garbage_tail.log.gz", whole + b"garbage after the gzip member\n", Expect({"partial"}, "text", "stopped reading"))
-    noisy = b"".join(b"%d %s\n" % (i, os.urandom(24).hex().encode()) for i in range(8000))
+    # fixed bytes: what a damaged deflate stream yields before zlib gives up depends on
+    # them (random ones sometimes decoded to a few extra garbage lines)
+    rnd = random.Random(8000)
+    noisy = b"".join(b"%d %s\n" % (i, rnd.randbytes(24).hex().encode()) for i in range(8000))
     gz = bytearray(gzip.compress(noisy))
     cut = int(len(gz) * 0.75)
     gz[cut: cut + 64] = bytes(64)  # a zeroed block inside the deflate stream
@@ -963,7 +967,7 @@ def test_interrupted_ingest_resumes_without_duplicates(tmp_path, monkeypatch, gz
     gone, alive = psutil.wait_procs(workers, timeout=15)
     assert not alive, "parser processes outlived their ingest"
     committed = rows(db, "SELECT count(*) FROM files")[0][0]  # the database opens
-    assert 70 - pipeline._Batch.MAX_FILES < committed <= 70  # batches of up to 64 files are committed
+    assert max(0, 70 - pipeline._Batch.MAX_FILES) <= committed <= 70  # whole batches are committed
     assert_accounting(db, folder_contents(gz_folder))  # what was committed is whole
     monkeypatch.setattr(pipeline.tempfile, "tempdir", str(tmpdir))
     s = pipeline.ingest([str(gz_folder)], str(db), workers=1)
