@@ -599,15 +599,22 @@ def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
     n = len(events)
     raws = list(map(attrgetter("args"), events))
     joined = b",".join(raws)
+    if not joined.isascii():  # msgspec checks the strings it decodes, not those it skips
+        try:
+            joined.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
     try:
         args = _ARGS_LIST.decode(b"[" + joined + b"]")
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     if None in args:  # "args": null
         args = [_NO_ARGS_VALUE if a is None else a for a in args]
+    # a key absent from the text is absent from every event, unless written with escapes
+    plain = b"\\" not in text
     cols: list[pl.Series] = []
     for attr, column, type_, key in _TOP_FIELDS:
-        if key not in text:
+        if plain and key not in text:
             cols.append(pl.Series(column, dtype=type_).extend_constant(None, n))
         elif attr in ("pid", "tid"):
             cols.append(_text_column(column, list(map(attrgetter(attr), events))))
@@ -616,9 +623,9 @@ def frame_from_text(text: bytes, line: int, sep: bytes) -> pl.DataFrame | None:
     del events
     cols.append(_args_text(raws, joined, n))
     del raws
-    rare = cols[-1].str.contains_any(_RARE_ARGS_KEYS).any()  # one pass instead of one per key
+    rare = not plain or cols[-1].str.contains_any(_RARE_ARGS_KEYS).any()  # one pass instead of one per key
     for attr, column, type_, key in _ARGS_FIELDS:
-        if (rare or attr in _COMMON_ARGS) and key in joined:
+        if not plain or (rare or attr in _COMMON_ARGS) and key in joined:
             cols.append(pl.Series(column, list(map(attrgetter(attr), args)), dtype=type_))
         else:
             cols.append(pl.Series(column, dtype=type_).extend_constant(None, n))
@@ -641,7 +648,7 @@ def _args_text(raws: list, joined: bytes, n: int) -> pl.Series:
     lengths = np.fromiter(map(len, raws), dtype=np.int64, count=n)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths + 1, out=offsets[1:])  # each raw is followed by the joining comma
-    first = np.frombuffer(joined, dtype=np.uint8)[offsets[:-1]]  # every raw is at least 3 bytes
+    first = np.frombuffer(joined, dtype=np.uint8)[offsets[:-1]]  # no raw is empty
     missing = ((lengths == 3) & (first == 0x20)) | ((lengths == 4) & (first == 0x6E))  # " {}", null
     # one string per event, [offset, offset + length) of the joined text, and one per
     # joining comma in between, dropped

@@ -371,3 +371,18 @@ def test_bulk_decoder_matches_element_decoder_on_a_real_trace(corpus):
     bulk, one = _both_decoders(text)
     assert bulk.height > 1000
     _assert_same_rows(bulk, one)
+
+
+def test_bulk_decoder_keys_written_with_escapes_and_bad_utf8_in_args():
+    # a key spelled with an escape is still the key: its column must not be skipped
+    text = b'{"ph": "X", "name": "a", "\\u0069d": 5, "args": {"\\u0045xternal id": 6, "d\\u0074ype": "Float"}}'
+    bulk, one = _both_decoders(text)
+    _assert_same_rows(bulk, one)
+    assert (bulk["flow_id"][0], bulk["external_id"][0], bulk["coll_dtype"][0]) == (5, 6, "Float")
+    # text that is not UTF-8 inside args (which the bulk decoder keeps as text) is not
+    # decoded in bulk; element by element, that event is invalid and the others load
+    bad = b'{"ph": "X", "name": "b", "args": {"x": "\xff"}}'
+    assert kineto.frame_from_text(text + b",\n  " + bad, 1, b"},\n  {") is None
+    df, meta, ctx = parse(b'{"traceEvents": [\n  ' + text + b",\n  " + bad + b"\n]}")
+    assert df["category"].to_list() == ["uncategorized", "invalid"] and meta["bad_events"] == 1
+    assert df["flow_id"][0] == 5
