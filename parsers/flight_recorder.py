@@ -25,6 +25,7 @@ by a small reader that only knows the container opcodes and never calls anything
 """
 from __future__ import annotations
 
+import copyreg
 import io
 import json
 import pickle
@@ -144,9 +145,25 @@ def rank_from_name(path: str) -> int | None:
 def load_plain(data: bytes) -> tuple[Any, int]:
     """Unpickle ``data`` admitting only plain values; returns (object, bytes consumed).
     Raises :class:`RefusedGlobal` for a global, other exceptions for bad data."""
+    if copyreg._extension_cache:
+        # pickle's EXT opcodes take an object already in this cache without asking
+        # find_class: refuse them up front (the cache is empty unless some code in this
+        # process registered extension codes and unpickled them)
+        _refuse_extensions(data)
     buf = io.BytesIO(data)
     obj = _PlainUnpickler(buf).load()
     return obj, buf.tell()
+
+
+def _refuse_extensions(data: bytes) -> None:
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("EXT1", "EXT2", "EXT4"):
+                raise RefusedGlobal(f"extension code {arg}")
+    except RefusedGlobal:
+        raise
+    except (ValueError, EOFError):  # bad or cut data: the unpickler says what is wrong
+        return
 
 
 _LOAD_ERRORS = (

@@ -1154,3 +1154,17 @@ def test_restricted_unpickler_refuses_registered_extensions(tmp_path):
     finally:
         copyreg.remove_extension("os", "system", 0xF0)
     assert not canary.exists()
+
+
+def test_restricted_unpickler_refuses_cached_extensions():
+    """An extension code that an ordinary unpickler in the same process already resolved
+    sits in copyreg's cache, which pickle reads without asking find_class: refused too."""
+    copyreg.add_extension("builtins", "print", 0xF1)
+    try:
+        assert pickle.loads(b"\x80\x02\x82\xf1.") is print  # fills copyreg._extension_cache
+        assert copyreg._extension_cache
+        with pytest.raises(fr.RefusedGlobal, match="extension code 241"):
+            fr.load_plain(b"\x80\x02\x82\xf1X\x02\x00\x00\x00hi\x85R.")
+        fr.load_plain(pickle.dumps({"entries": []}, protocol=2))  # plain dumps still load
+    finally:
+        copyreg.remove_extension("builtins", "print", 0xF1)
