@@ -5,9 +5,10 @@ Python ``logging`` in its common shapes and other ISO-stamped lines:
 * ``2025-03-14 10:02:11,345 INFO verl.trainer.main_ppo:375 - msg``
 * ``2025-03-14 10:02:11,345 - name - INFO - msg``
 * ``[2025-03-14 10:00:00,123] [INFO] [config.py:1003:print] msg`` (DeepSpeed)
-* ``2025-03-14T10:02:11.345Z msg``, ``[2025-03-14 10:02:11] msg``
+* ``2025-03-14T10:02:11.345Z msg``, ``2025-03-14T18:02:11+08:00 msg``, ``[2025-03-14 10:02:11] msg``
 
-Only the timestamp and, when it follows, the level are taken; the rest is the message.
+The timestamp (moved to UTC when it carries an offset), the level and the logger name
+or ``file:line`` are taken when present; the rest is the message.
 """
 from __future__ import annotations
 
@@ -18,18 +19,26 @@ from .text import apply_header, g, normalise_level, parse_ts
 
 _LEVEL = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL"
 ISO = (
-    r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|[+-]\d{2}:?\d{2})?\]?"
-    rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?)?[ \t]*)"
+    r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|(?P<tzs>[+-])(?P<tzh>\d{2}):?(?P<tzm>\d{2}))?\]?"
+    rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?"
+    r"(?:[ \t]+(?P<src>[\w.]+:\d+)[ \t]+-)?)?[ \t]*)"
 )
+
+
+def _utc(ts: pl.Expr) -> pl.Expr:
+    """A stamp printed with a UTC offset (``+08:00``) moved to UTC; others as printed."""
+    minutes = g("tzh").cast(pl.Int64) * 60 + g("tzm").cast(pl.Int64)
+    signed = pl.when(g("tzs") == "-").then(-minutes).otherwise(minutes)
+    return ts - pl.duration(minutes=signed.fill_null(0))
 
 
 def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     if not df.get_column("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}").any():
         return df, {}
     df = apply_header(df, ISO, "pylog", {
-        "ts": parse_ts(g("ts")),
+        "ts": _utc(parse_ts(g("ts"))),
         "ts_quality": pl.lit("full"),
         "level": normalise_level(g("level")),
-        "logger": g("name"),
+        "logger": pl.coalesce(g("name"), g("src")),
     }, prefilter=pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}"))
     return df, {}

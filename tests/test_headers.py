@@ -1,0 +1,34 @@
+"""Generic timestamp headers (parsers/headers.py): Python logging shapes and ISO stamps."""
+from __future__ import annotations
+
+import io
+from datetime import datetime
+
+from parsers.base import FileContext
+from parsers.text import parse_text
+
+
+def _lines(text: str):
+    ctx = FileContext(file_id=1, path="app.log", size=len(text), fmt="text")
+    frames = [f for name, f in parse_text(io.BytesIO(text.encode()), ctx) if name == "lines"]
+    return frames[0].select("ts", "level", "logger", "message", "header").rows()
+
+
+def test_offsets_are_moved_to_utc():
+    rows = _lines("2025-03-14T18:02:11.345+08:00 east\n2025-03-14 05:02:11-0500 ERROR west\n2025-03-14T10:02:11.345Z zulu\n")
+    assert [r[0] for r in rows] == [datetime(2025, 3, 14, 10, 2, 11, 345000), datetime(2025, 3, 14, 10, 2, 11),
+                                    datetime(2025, 3, 14, 10, 2, 11, 345000)]
+    assert [r[3] for r in rows] == ["east", "west", "zulu"]
+    assert rows[1][1] == "ERROR"
+
+
+def test_logger_name_or_source_location():
+    rows = _lines("2025-03-14 10:02:11,345 INFO verl.trainer.main_ppo:375 - started\n"
+                  "2025-03-14 10:02:12,000 - verl.workers - WARNING - slow\n"
+                  "2025-03-14 10:02:13 INFO plain words here\n")
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("INFO", "verl.trainer.main_ppo:375", "started"),
+        ("WARNING", "verl.workers", "slow"),
+        ("INFO", None, "plain words here"),
+    ]
+    assert {r[4] for r in rows} == {"pylog"}
