@@ -103,6 +103,24 @@ def _create_setting_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, st
     con.execute(f"CREATE OR REPLACE {where}phase_setting(k) AS CASE k {cases} ELSE NULL END").fetchall()
 
 
+def _create_rules_macro(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], temp: bool) -> None:
+    """(Re)define ``phase_rule_priority(bare, src)`` as a CASE over the rules' literal patterns.
+
+    The SQL file defines it as a lookup in ``phase_rules`` (a regular expression from a
+    column, compiled again for every name and rule); with literals each compiles once. The
+    WHENs run in priority order, so the first that matches is the lowest priority, as in the
+    lookup's ``min``."""
+    whens = []
+    for r in sorted(rows, key=lambda r: r["priority"]):
+        cond = f"regexp_full_match(bare, {_sql_literal(r['pattern'])})"
+        if r["sources"] is not None:
+            cond += " AND src IN (" + ", ".join(_sql_literal(s) for s in r["sources"].split(",")) + ")"
+        whens.append(f"WHEN {cond} THEN {int(r['priority'])}")
+    where = "TEMP MACRO " if temp else "MACRO main."
+    con.execute(f"CREATE OR REPLACE {where}phase_rule_priority(bare, src) AS "
+                f"CASE {' '.join(whens)} ELSE NULL::INTEGER END").fetchall()
+
+
 def _view_sql() -> list[tuple[str, str]]:
     from .store import view_files
 
@@ -160,6 +178,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
                                            "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
     settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
     _create_setting_macro(con, settings, temp=read_only)
+    _create_rules_macro(con, rows, temp=read_only)
     if read_only:
         con.register("_phase_rules_in", rules_tbl)
         con.register("_phase_settings_in", settings_tbl)
@@ -196,7 +215,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
 # The expensive views, in dependency order: ``cached`` materialises each as a TEMP table of
 # the same name, which the later views (and the caller's queries) then read instead.
 CACHED_VIEWS = (
-    "phase_log_markers", "phase_log_steps", "phase_profiler_steps", "phase_spans", "phase_kineto_segments",
+    "phase_log_markers", "phase_names", "phase_log_steps", "phase_profiler_steps", "phase_spans", "phase_kineto_segments",
     "phase_gpu_events", "phase_collective_matches", "phase_collectives", "phases", "phase_steps",
     "phase_run_steps", "phase_timeline",
 )

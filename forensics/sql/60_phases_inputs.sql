@@ -16,7 +16,7 @@
 --   (`start`/`end`), the printed `seconds`, the `rank` (from the line prefix or `rank N]`),
 --   `ts_inherited` (the line has no stamp of its own: its `ts` is the previous line's).
 -- * `phase_names`: each distinct span / task / metric / marker name, per source, with the phase
---   of the first rule that matches it.
+--   of the first rule that matches it (`phase_rule_priority(bare, source)`).
 --
 -- This file also creates `trace_events` and `engine_events` with their provenance columns
 -- only when no parser has declared them yet, so the views can be created on any database.
@@ -31,6 +31,15 @@ CREATE TABLE IF NOT EXISTS trace_events (file_id INTEGER, line_no BIGINT);
 CREATE TABLE IF NOT EXISTS engine_events (file_id INTEGER, line_no BIGINT);
 
 CREATE OR REPLACE MACRO phase_setting(k) AS (SELECT max(value) FROM phase_settings WHERE key = k);
+
+-- The priority of the first rule whose pattern matches `bare` as a whole and that applies to
+-- `src` (NULL when none does). forensics.phases.attach() redefines it as a CASE over the rules'
+-- literal patterns, so that each regular expression is compiled once, not once per name.
+CREATE OR REPLACE MACRO phase_rule_priority(bare, src) AS (
+    SELECT min(r.priority) FROM phase_rules r
+    WHERE regexp_full_match(bare, r.pattern)
+      AND (r.sources IS NULL OR list_contains(string_split(r.sources, ','), src))
+);
 
 CREATE OR REPLACE VIEW phase_trace AS
 WITH t AS (
@@ -94,12 +103,13 @@ WITH names AS (
     UNION
     SELECT DISTINCT 'log', marker_name, lower(marker_name) FROM phase_log_markers
 )
+, matched AS (
+    SELECT source, name, bare, phase_rule_priority(bare, source) AS priority FROM names
+)
 SELECT n.source, n.name, n.bare,
        arg_min(r.phase, r.priority) AS phase,
        arg_min(r.sub_phase, r.priority) AS sub_phase,
        arg_min(coalesce(r.in_step, true), r.priority) AS in_step
-FROM names n
-JOIN phase_rules r
-  ON regexp_full_match(n.bare, r.pattern)
- AND (r.sources IS NULL OR list_contains(string_split(r.sources, ','), n.source))
+FROM matched n
+JOIN phase_rules r ON r.priority = n.priority
 GROUP BY n.source, n.name, n.bare;
