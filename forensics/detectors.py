@@ -79,8 +79,9 @@ class Series:
 
     @classmethod
     def from_columns(cls, key: str, file_id: int, path: str, source: str | None, steps: list[int],
-                     values: list[float | None], lines: list[int | None], ts: list[Any]) -> "Series":
-        """A series from columns whose steps are already ascending and distinct."""
+                     values: list[float | None], lines: list[int | None], ts: list[Any] | None = None) -> "Series":
+        """A series from columns whose steps are already ascending and distinct. Without
+        ``ts`` its alarms have no time (:func:`run` looks it up for the alarms it keeps)."""
         s = cls.__new__(cls)
         s.key, s.file_id, s.path, s.source = key, file_id, path, source
         s.steps, s.values, s.lines, s.ts = steps, values, lines, ts
@@ -95,7 +96,7 @@ class Series:
     def alarm(self, cls: str, detector: str, i: int, detail: str) -> Alarm:
         return Alarm(cls=cls, detector=detector, step=self.steps[i], key=self.key, value=self.values[i],
                      file_id=self.file_id, line_no=self.lines[i], path=self.path, source=self.source,
-                     detail=detail, ts=self.ts[i])
+                     detail=detail, ts=self.ts[i] if self.ts is not None else None)
 
 
 def load_series(con, patterns: list[str]) -> list[Series]:
@@ -106,22 +107,34 @@ def load_series(con, patterns: list[str]) -> list[Series]:
     if not keys:
         return []
     # first value of each (file, key, step): a file that repeats a step (several ranks,
-    # a resumed run) keeps the earliest line
+    # a resumed run) keeps the earliest line. No timestamps: millions of datetime objects
+    # would double the memory, and only the few alarms kept need theirs (_alarm_times)
     df = pl.from_arrow(con.sql(
-        f"""SELECT m.file_id, f.path, m.source, m.key, m.step, arg_min(m.value, m.line_no) AS value,
-                   min(m.line_no) AS line_no, arg_min(m.ts, m.line_no) AS ts
-            FROM metrics m JOIN files f USING (file_id)
-            WHERE m.step >= 1 AND m.key IN ({", ".join("?" for _ in keys)})
-            GROUP BY ALL ORDER BY m.file_id, m.key, m.step""", params=keys).to_arrow_table())
-    grouped = df.group_by(["file_id", "path", "source", "key"], maintain_order=True).agg("step", "value", "line_no", "ts")
+        f"""SELECT file_id, source, key, step, arg_min(value, line_no) AS value, min(line_no) AS line_no
+            FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)})
+            GROUP BY ALL ORDER BY file_id, key, step""", params=keys).to_arrow_table())
+    paths = dict(con.execute("SELECT file_id, path FROM files").fetchall())
+    grouped = df.group_by(["file_id", "source", "key"], maintain_order=True).agg("step", "value", "line_no")
+    del df
     # (the query made steps distinct and ordered them within each group)
-    return [Series.from_columns(key, file_id, path, source, steps, values, lines, stamps)
-            for file_id, path, source, key, steps, values, lines, stamps in grouped.iter_rows()]
+    return [Series.from_columns(key, file_id, paths[file_id], source, steps, values, lines)
+            for file_id, source, key, steps, values, lines in grouped.iter_rows()]
+
+
+def _alarm_times(con, alarms: list[Alarm]) -> None:
+    """The time of the metrics line each alarm points at (when the line has one)."""
+    for a in alarms:
+        if a.ts is None and a.line_no is not None:
+            row = con.execute("SELECT min(ts) FROM metrics WHERE file_id = ? AND line_no = ? AND key = ? AND step = ?",
+                              [a.file_id, a.line_no, a.key, a.step]).fetchone()
+            a.ts = row[0] if row else None
 
 
 def _matching(series: list[Series], patterns: list[str]) -> list[Series]:
     rxs = [re.compile(p) for p in patterns]
-    return [s for s in series if any(r.search(s.key) for r in rxs)]
+    keys = {s.key for s in series}  # a few hundred names across thousands of series
+    wanted = {k for k in keys if any(r.search(k) for r in rxs)}
+    return [s for s in series if s.key in wanted]
 
 
 # -- training divergence ----------------------------------------------------------------
@@ -162,6 +175,13 @@ def spike(series: list[Series], conf: dict) -> list[Alarm]:
     return out
 
 
+def _by_file(series: list[Series]) -> dict[int, list[Series]]:
+    out: dict[int, list[Series]] = {}
+    for s in series:
+        out.setdefault(s.file_id, []).append(s)
+    return out
+
+
 def _mad(xs: list[float]) -> float:
     m = median(xs)
     return median([abs(x - m) for x in xs])
@@ -173,7 +193,7 @@ def regime_change(series: list[Series], conf: dict) -> list[Alarm]:
     f = float(conf["trigger_factor"])
     within, base_n = int(conf["within"]), int(conf["baseline"])
     min_rel, min_z = float(conf["min_relative"]), float(conf["min_z"])
-    watch = _matching(series, conf.get("watch_keys") or [])
+    watch = _by_file(_matching(series, conf.get("watch_keys") or []))
     out = []
     for trig in _matching(series, conf.get("trigger_keys") or []):
         for i in range(1, len(trig.values)):
@@ -184,7 +204,7 @@ def regime_change(series: list[Series], conf: dict) -> list[Alarm]:
                 continue
             t_step = trig.steps[i]
             best: Alarm | None = None
-            for w in (x for x in watch if x.file_id == trig.file_id):
+            for w in watch.get(trig.file_id, ()):
                 base = [v for st, v in zip(w.steps, w.values) if t_step - base_n <= st < t_step and _finite(v)]
                 if len(base) < 3:
                     continue
@@ -237,7 +257,7 @@ def entropy_collapse(series: list[Series], conf: dict) -> list[Alarm]:
     floor, start_min, max_frac = float(conf["floor"]), float(conf["start_min"]), float(conf["max_fraction"])
     window, monotone = int(conf["window"]), float(conf["monotone"])
     gfactor = float(conf.get("grad_norm_factor", 10))
-    grads = _matching(series, conf.get("grad_norm_keys") or [])
+    grads = _by_file(_matching(series, conf.get("grad_norm_keys") or []))
     out = []
     for s in _matching(series, conf.get("entropy_keys") or []):
         if any(v is not None and not _finite(v) for v in s.values):
@@ -256,7 +276,7 @@ def entropy_collapse(series: list[Series], conf: dict) -> list[Alarm]:
                 if steps and downs / len(steps) < monotone:
                     break
                 exploding = False
-                for g in (x for x in grads if x.file_id == s.file_id):
+                for g in grads.get(s.file_id, ()):
                     gv = [x for x in g.values if _finite(x)]
                     if len(gv) > window and max(gv) > gfactor * median(gv[:window]):
                         exploding = True
@@ -304,6 +324,7 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
                 i = s.index_of(a.step)
                 if i is not None and s.lines[i] is not None:
                     a.also.append((s.path, s.lines[i]))
+    _alarm_times(con, alarms)
     _step_times(con, alarms)
     return alarms
 

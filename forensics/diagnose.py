@@ -752,6 +752,8 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
             raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
         con = duckdb.connect(str(db), read_only=True)
         con.execute("SET enable_progress_bar = false")  # the CLI prints its own output
+        # DuckDB caches up to 80% of RAM by default; the scans here gain nothing from it
+        con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", "1GB")])
     try:
         d = _Diagnoser(con, cat, performance).run()
     finally:
