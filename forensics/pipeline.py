@@ -579,7 +579,7 @@ def ingest(
     """
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
-    store = Store(db)
+    store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
     # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by default);
     # ingest needs little of it, and more is not faster
     store.con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)])
@@ -643,6 +643,8 @@ def ingest(
                         store.delete_file_rows(row["file_id"], None)
                     store.record_skipped(row)
                 store.commit()
+                new_rows = sum(1 for row in skipped_rows if row["file_id"] >= first_new_id)
+                summary.rows_added[FILES.name] = summary.rows_added.get(FILES.name, 0) + new_rows
             except BaseException:
                 store.rollback()
                 raise
@@ -676,6 +678,9 @@ def ingest(
                 store.finish_loading(job.results[0].task.file_id)
             store.insert_rows(PROBLEMS, problem_rows)  # with the last rows: the file is whole
             store.insert_rows(FILES, file_rows)
+            counts[PROBLEMS.name] = counts.get(PROBLEMS.name, 0) + len(problem_rows)
+            # a changed or grown file's row is replaced, not added
+            counts[FILES.name] = counts.get(FILES.name, 0) + sum(1 for res in job.results if res.task.is_new)
             for k, v in counts.items():
                 summary.rows_added[k] = summary.rows_added.get(k, 0) + v
             batch.add(len(job.results), sum(counts.values()), sum(sizes[p] for paths_ in pieces[-1].values() for p in paths_))
@@ -689,8 +694,9 @@ def ingest(
                 progress(done, total, job.results[-1].task.rel)
 
         try:
-            _run_jobs(jobs, spool, workers, debug, finish)
+            _run_jobs(jobs, spool, workers, debug, finish, idle=store.finish_schema)
             batch.close()
+            store.finish_schema()  # when there was nothing to parse
         except BaseException:
             batch.abort()
             raise
@@ -760,10 +766,14 @@ class _Batch:
             self.store.rollback()
 
 
-def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool, finish: Callable[[JobResult], None]) -> None:
+def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool, finish: Callable[[JobResult], None],
+              idle: Callable[[], None] = lambda: None) -> None:
     """Parse ``jobs`` (in a process pool when there is more than one worker) and hand
-    each result to ``finish`` in the main process, the only database writer."""
+    each result to ``finish`` in the main process, the only database writer. ``idle``
+    is run once in the main process before the first ``finish``: in the pool case while
+    the first jobs are being parsed."""
     if workers <= 1 or len(jobs) <= 1:
+        idle()
         for job in jobs:
             finish(parse_job(job, spool, debug))
         return
@@ -782,6 +792,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             pending.add(pool.submit(parse_job, job, spool, debug))
             if len(pending) >= workers * 2:
                 break
+        idle()
         while pending:
             finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             for fut in finished:

@@ -157,7 +157,10 @@ class KnownFile:
 
 
 class Store:
-    def __init__(self, path: str | os.PathLike, read_only: bool = False):
+    def __init__(self, path: str | os.PathLike, read_only: bool = False, defer_views: bool = False):
+        """``defer_views``: create missing tables now but the analysis views only at
+        :meth:`finish_schema` (binding them costs about a second of CPU, which ingest
+        spends while the parser processes start)."""
         self.path = str(path)
         try:
             self.con = duckdb.connect(self.path, read_only=read_only)
@@ -172,15 +175,17 @@ class Store:
         except duckdb.Error as exc:  # e.g. a file that is not a DuckDB database
             raise StoreError(f"cannot open database {self.path}: {exc}") from None
         self.read_only = read_only
+        self._pending_fingerprint: str | None = None
         quiet_progress_bar(self.con)
         if not read_only:
-            self.ensure_schema()
+            self.ensure_schema(defer_views)
 
     # -- schema ---------------------------------------------------------------
-    def ensure_schema(self) -> None:
-        """Create or extend the tables, then (re)create the views. Skipped when the
-        database already has this exact schema and these exact views (a fingerprint of
-        the declarations and view files is kept in ``meta``)."""
+    def ensure_schema(self, defer_views: bool = False) -> None:
+        """Create or extend the tables, then (re)create the views (``defer_views``: at
+        :meth:`finish_schema`). Skipped when the database already has this exact schema
+        and these exact views (a fingerprint of the declarations and view files is kept
+        in ``meta``, written once the views exist)."""
         con = self.con
         fingerprint = _schema_fingerprint()
         try:
@@ -196,9 +201,20 @@ class Store:
             for c in table.columns:
                 if c.name not in have:
                     con.execute(f'ALTER TABLE "{table.name}" ADD COLUMN "{c.name}" {_duck_type(c.type)}')
+        self._pending_fingerprint = fingerprint
+        if not defer_views:
+            self.finish_schema()
+
+    def finish_schema(self) -> None:
+        """Create the views that :meth:`ensure_schema` deferred (nothing when none were)."""
+        if self._pending_fingerprint is None:
+            return
+        con = self.con
         self.create_views()
         con.execute("DELETE FROM meta WHERE key IN ('schema_version', 'schema_fingerprint')")
-        con.execute("INSERT INTO meta VALUES ('schema_version', ?), ('schema_fingerprint', ?)", [str(SCHEMA_VERSION), fingerprint])
+        con.execute("INSERT INTO meta VALUES ('schema_version', ?), ('schema_fingerprint', ?)",
+                    [str(SCHEMA_VERSION), self._pending_fingerprint])
+        self._pending_fingerprint = None
 
     def create_views(self) -> None:
         for name, sql in view_files():

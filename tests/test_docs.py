@@ -113,8 +113,13 @@ def test_root_options_and_completion_are_documented():
     assert {"--install-completion", "--show-completion"} <= {f for o in _options(ROOT) for f in o.opts}
 
 
-def test_shell_completion_script():
-    res = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="forensics")
+def test_shell_completion_script(monkeypatch):
+    # typer finds the shell among the parent processes; a test run started in the
+    # background (re-parented to init) has none, so name it
+    import typer.completion
+
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
+    res = CliRunner().invoke(app, ["--show-completion"], prog_name="forensics")
     assert res.exit_code == 0, res.output
     assert "_forensics_completion" in res.output and "complete" in res.output
 

@@ -155,11 +155,14 @@ def test_undecodable_bytes_reported(fixture_db):
 
 def test_reingest_is_idempotent(tmp_path):
     db = tmp_path / "x.duckdb"
-    pipeline.ingest([str(FOUNDATION)], str(db), workers=1)
+    first = pipeline.ingest([str(FOUNDATION)], str(db), workers=1)
     before = pipeline.Store(str(db)).table_counts()
+    assert first.rows_added["files"] == before["files"] == first.files_seen  # loaded and skipped ones
+    assert first.rows_added.get("problems", 0) == before["problems"] > 0
     s = pipeline.ingest([str(FOUNDATION)], str(db), workers=2)
     assert s.files_loaded == 0 and s.files_unchanged == s.files_seen
     assert s.rows_total == before
+    assert not any(s.rows_added.values())
 
 
 def test_grown_file_gets_only_new_lines(tmp_path):
