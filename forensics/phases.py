@@ -121,6 +121,22 @@ def _create_rules_macro(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any
                 f"CASE {' '.join(whens)} ELSE NULL::INTEGER END").fetchall()
 
 
+_PLAIN_WORDS = re.compile(r"[A-Za-z0-9_]+(?:\|[A-Za-z0-9_]+)*")
+
+
+def _create_category_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, str], temp: bool) -> None:
+    """(Re)define ``phase_gpu_category(c)``: ``c IN (...)`` when ``gpu_categories`` is a plain
+    alternation of words (``kernel|gpu_memcpy``), which a whole-string match of it accepts
+    exactly; otherwise the SQL file's regular expression. The test runs on every trace event."""
+    pattern = settings.get("gpu_categories")
+    if pattern is not None and _PLAIN_WORDS.fullmatch(pattern):
+        body = "c IN (" + ", ".join(_sql_literal(w) for w in pattern.split("|")) + ")"
+    else:
+        body = "regexp_full_match(c, phase_setting('gpu_categories'))"
+    where = "TEMP MACRO " if temp else "MACRO main."
+    con.execute(f"CREATE OR REPLACE {where}phase_gpu_category(c) AS {body}").fetchall()
+
+
 def _view_sql() -> list[tuple[str, str]]:
     from .store import view_files
 
@@ -179,6 +195,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
     settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
     _create_setting_macro(con, settings, temp=read_only)
     _create_rules_macro(con, rows, temp=read_only)
+    _create_category_macro(con, settings, temp=read_only)
     if read_only:
         con.register("_phase_rules_in", rules_tbl)
         con.register("_phase_settings_in", settings_tbl)

@@ -27,12 +27,17 @@
 -- SELECT rank, step, round(sum(late_s), 3) AS late_s, round(sum(wait_s), 3) AS wait_s
 -- FROM phase_collectives GROUP BY ALL ORDER BY step, rank;
 -- ```
+-- Whether a trace category is GPU activity (`gpu_categories`, matched as a whole).
+-- forensics.phases.attach() redefines it as `c IN (...)` when the setting is a plain list of
+-- words (`kernel|gpu_memcpy|gpu_memset`): the same test without a regular expression per event.
+CREATE OR REPLACE MACRO phase_gpu_category(c) AS regexp_full_match(c, phase_setting('gpu_categories'));
+
 CREATE OR REPLACE VIEW phase_gpu_events AS
 WITH g AS (
     SELECT file_id, rank, name, stream, coll_name, pg_name, start_us, end_us,
            (coll_name IS NOT NULL OR regexp_matches(name, phase_setting('nccl_kernel_regex'))) AS is_nccl
     FROM phase_trace
-    WHERE source = 'kineto' AND ph = 'X' AND regexp_full_match(category, phase_setting('gpu_categories'))
+    WHERE source = 'kineto' AND ph = 'X' AND phase_gpu_category(category)
 )
 SELECT file_id, rank, CASE WHEN is_nccl THEN name END AS name, stream, coll_name, pg_name, start_us, end_us,
        (end_us - start_us) / 1e6 AS seconds, is_nccl
@@ -120,4 +125,11 @@ CREATE OR REPLACE VIEW phase_collectives AS
 SELECT m.step, m.pg_name, m.coll_name, m.idx, m.rank, s.phase, s.sub_phase, m.start_us, m.seconds,
        m.wait_s, m.late_s, m.start_late_s
 FROM phase_collective_matches m
-ASOF LEFT JOIN phase_kineto_segments s ON m.file_id = s.file_id AND m.start_us >= s.start_us;
+ASOF LEFT JOIN (
+    -- the pieces the ASOF join can pick (none that starts after the file's last collective):
+    -- it sorts what it is given, and kernels are often traced for a few steps only
+    SELECT k.file_id, k.start_us, k.phase, k.sub_phase
+    FROM phase_kineto_segments k
+    JOIN (SELECT file_id, max(start_us) AS last_us FROM phase_collective_matches GROUP BY file_id) l
+      ON l.file_id = k.file_id AND k.start_us <= l.last_us
+) s ON m.file_id = s.file_id AND m.start_us >= s.start_us;

@@ -44,9 +44,14 @@ WITH seg AS (
 ), kin_base AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(s.seconds) AS seconds
     FROM seg s GROUP BY s.rank, s.step, s.phase, s.sub_phase
+), coll_seg AS (
+    -- the pieces the ASOF join below can pick: none that starts after the file's last collective
+    SELECT s.* FROM seg s
+    JOIN (SELECT file_id, max(start_us) AS last_us FROM phase_collective_matches GROUP BY file_id) l
+      ON l.file_id = s.file_id AND s.start_us <= l.last_us
 ), kin_wait AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(m.wait_s) AS wait_s
-    FROM phase_collective_matches m ASOF JOIN seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
+    FROM phase_collective_matches m ASOF JOIN coll_seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
     GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_step AS (
     SELECT rank, step, sum(step_s) AS step_s FROM phase_profiler_steps GROUP BY rank, step
@@ -230,4 +235,4 @@ FROM laid;
 
 -- The hash of these view files (forensics.phases._views_sha, which leaves this line out): a
 -- database whose macro answers another value holds views from another version.
-CREATE OR REPLACE MACRO phase_views_version() AS 'e55cb5533ae98ae4168a2de6b862c384b41ff1b3856158737b818c0c649db3db';
+CREATE OR REPLACE MACRO phase_views_version() AS '63cf976624fcb2a5b9817f962ac5ef5ae2110847359e9ec9852baccf3190737b';
