@@ -140,6 +140,26 @@ def slow_sync_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     }]
 
 
+def _slowest_rank_per_step(per_rank: pl.DataFrame) -> list[tuple[float, int, int]]:
+    """``(ratio, step, rank)`` for each step (in order) that has two ranks or more in ``per_rank``
+    (step, rank, rollout_s) and whose other ranks' median is above 0: the slowest rank (the
+    lowest rank among equals) and its rollout_s over the median of the other ranks."""
+    # the median as statistics.median takes it: the mean of the two middle values (one value
+    # twice when they are odd in number, which is exact in floating point)
+    others = pl.col("rollout_s").slice(1)  # sorted: slowest first
+    m = pl.len() - 1
+    per_step = (
+        per_rank.filter(pl.len().over("step") >= 2)
+        .sort(["step", "rollout_s", "rank"], descending=[False, True, False])
+        .group_by("step", maintain_order=True)
+        .agg(pl.col("rank").first().alias("top_rank"), pl.col("rollout_s").first().alias("top_s"),
+             ((others.get((m - 1) // 2) + others.get(m // 2)) / 2).alias("med"))
+        .filter(pl.col("med") > 0)
+    )
+    return [(top_s / med, step, rank) for step, rank, top_s, med
+            in per_step.select("step", "top_rank", "top_s", "med").iter_rows()]
+
+
 def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     out: list[dict] = []
     skip = int(cfg.get("skip_first_steps", 0))
@@ -148,16 +168,8 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
     # across ranks, within a step
     per_rank = _q(con, "SELECT step, rank, rollout_s, source FROM phase_steps WHERE rank IS NOT NULL AND rollout_s > 0 AND step >= ?",
                   [first + skip])
-    ratios, slowest = [], []
-    for (step,), grp in per_rank.group_by(["step"]):
-        if grp.height < 2:
-            continue
-        ordered = grp.sort("rollout_s", descending=True)
-        top = ordered.row(0, named=True)
-        med = statistics.median(ordered["rollout_s"].to_list()[1:])  # the other ranks
-        if med > 0:
-            ratios.append((top["rollout_s"] / med, step, top["rank"]))
-            slowest.append(top["rank"])
+    ratios = _slowest_rank_per_step(per_rank)
+    slowest = [r[2] for r in ratios]
     if ratios:
         med_ratio = statistics.median(r[0] for r in ratios)
         if med_ratio >= cfg["rank_ratio"]:

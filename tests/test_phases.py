@@ -267,6 +267,33 @@ def test_rollout_long_tail_across_ranks(tmp_path):
         assert not [f for f in fd.findings(run.con, cfg) if f["id"] == "rollout_long_tail"]
 
 
+def test_slowest_rank_per_step_matches_statistics_median():
+    """The vectorised per-step ratios equal a loop over the steps with statistics.median, with
+    odd and even numbers of other ranks, equal times, steps with one rank and zero medians."""
+    import random
+    import statistics
+
+    rng = random.Random(7)
+    rows = []
+    for step in range(200):
+        for rank in rng.sample(range(16), rng.randint(1, 9)):
+            rows.append((step, rank, rng.choice([0.0, 0.5, 0.6, 0.1 + 0.2, rng.random()])))
+    rng.shuffle(rows)
+    per_rank = pl.DataFrame(rows, schema={"step": pl.Int64, "rank": pl.Int32, "rollout_s": pl.Float64}, orient="row")
+    expected = []
+    for step in sorted(set(per_rank["step"].to_list())):
+        grp = sorted(((s, r) for st, r, s in rows if st == step), key=lambda x: (-x[0], x[1]))
+        if len(grp) < 2:
+            continue
+        med = statistics.median(s for s, _ in grp[1:])
+        if med > 0:
+            expected.append((grp[0][0] / med, step, grp[0][1]))
+    got = fd._slowest_rank_per_step(per_rank)
+    assert got == expected
+    others = {sum(1 for r in rows if r[0] == e[1]) - 1 for e in expected}
+    assert {1, 2, 3, 4} <= others  # odd and even numbers of other ranks
+
+
 def test_engine_sleep_wake_becomes_sync_when_metrics_hide_it(tmp_path):
     src = tmp_path / "run"
     src.mkdir()
