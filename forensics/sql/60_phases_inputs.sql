@@ -41,6 +41,11 @@ CREATE OR REPLACE MACRO phase_rule_priority(bare, src) AS (
       AND (r.sources IS NULL OR list_contains(string_split(r.sources, ','), src))
 );
 
+-- Whether a trace category is GPU activity (`gpu_categories`, matched as a whole).
+-- forensics.phases.attach() redefines it as `c IN (...)` when the setting is a plain list of
+-- words (`kernel|gpu_memcpy|gpu_memset`): the same test without a regular expression per event.
+CREATE OR REPLACE MACRO phase_gpu_category(c) AS regexp_full_match(c, phase_setting('gpu_categories'));
+
 CREATE OR REPLACE VIEW phase_trace AS
 WITH t AS (
     SELECT * FROM (

@@ -27,11 +27,6 @@
 -- SELECT rank, step, round(sum(late_s), 3) AS late_s, round(sum(wait_s), 3) AS wait_s
 -- FROM phase_collectives GROUP BY ALL ORDER BY step, rank;
 -- ```
--- Whether a trace category is GPU activity (`gpu_categories`, matched as a whole).
--- forensics.phases.attach() redefines it as `c IN (...)` when the setting is a plain list of
--- words (`kernel|gpu_memcpy|gpu_memset`): the same test without a regular expression per event.
-CREATE OR REPLACE MACRO phase_gpu_category(c) AS regexp_full_match(c, phase_setting('gpu_categories'));
-
 CREATE OR REPLACE VIEW phase_gpu_events AS
 WITH g AS (
     SELECT file_id, rank, name, stream, coll_name, pg_name, start_us, end_us,
