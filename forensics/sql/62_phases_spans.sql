@@ -84,10 +84,11 @@ WITH sp AS (
 ), w AS (
     SELECT file_id, rank, step, start_us, end_us FROM phase_profiler_steps
 ), b AS (
+    -- a boundary repeated makes zero-length pieces, which `owned` drops: no need for UNION's DISTINCT
     SELECT file_id, step, start_us AS t FROM w
-    UNION SELECT file_id, step, end_us FROM w
-    UNION SELECT file_id, step, start_us FROM sp
-    UNION SELECT file_id, step, end_us FROM sp
+    UNION ALL SELECT file_id, step, end_us FROM w
+    UNION ALL SELECT file_id, step, start_us FROM sp
+    UNION ALL SELECT file_id, step, end_us FROM sp
 ), seg AS (
     SELECT file_id, step, t AS s, lead(t) OVER (PARTITION BY file_id, step ORDER BY t) AS e FROM b
 ), owned AS (
