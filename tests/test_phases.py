@@ -98,6 +98,46 @@ def test_rules_load_and_map_names():
     assert con.execute("SELECT phase_setting('step_metric')").fetchall()[0][0] == "step"
 
 
+def test_literal_macros_agree_with_the_rules_table(tmp_path):
+    """attach() turns the rules into a CASE of literal patterns and a plain `gpu_categories` into
+    an IN list: both answer what the rules table and the regular expression answer."""
+    rules = tmp_path / "phases.yaml"
+    rules.write_text(
+        "rules:\n"
+        "  - {phase: rollout, sub_phase: generate, names: [gen], sources: [kineto, log]}\n"
+        "  - {phase: train, patterns: ['ge.*', 'upd(ate)?'], sources: [ray]}\n"
+        "  - {phase: sync, names: [gen, update, 'a.b']}\n"
+        "settings:\n  gpu_categories: 'kernel|gpu_memcpy'\n")
+    con = duckdb.connect()
+    con.execute("CREATE TABLE phase_rules (priority INTEGER, phase VARCHAR, sub_phase VARCHAR, pattern VARCHAR, sources VARCHAR, in_step BOOLEAN)")
+    con.execute("CREATE TABLE phase_settings (key VARCHAR, value VARCHAR)")
+    ph.attach(con, rules)
+    rows = con.execute("""
+        WITH n AS (SELECT * FROM (VALUES ('gen'), ('GEN'), ('general'), ('update'), ('upd'), ('a.b'), ('axb'), ('x'), (NULL)) t(bare)),
+             s AS (SELECT * FROM (VALUES ('kineto'), ('ray'), ('metrics'), ('log')) t(src))
+        SELECT bare, src, phase_rule_priority(bare, src) AS got,
+               (SELECT min(r.priority) FROM phase_rules r WHERE regexp_full_match(bare, r.pattern)
+                  AND (r.sources IS NULL OR list_contains(string_split(r.sources, ','), src))) AS want
+        FROM n, s""").fetchall()
+    assert [r for r in rows if r[2] != r[3]] == []
+    assert {(b, s): g for b, s, g, _ in rows}[("general", "ray")] == 1  # a pattern of a rule limited to ray
+    assert {(b, s): g for b, s, g, _ in rows}[("GEN", "metrics")] == 2
+    assert {(b, s): g for b, s, g, _ in rows}[("axb", "log")] is None  # the dot of a name is literal
+
+    def macro() -> str:
+        return con.execute("SELECT macro_definition FROM duckdb_functions() WHERE function_name = 'phase_gpu_category'").fetchall()[0][0]
+
+    cats = "SELECT c, phase_gpu_category(c) FROM (VALUES ('kernel'), ('Kernel'), ('kernels'), ('gpu_memcpy'), ('gpu_memset'), (NULL)) t(c)"
+    assert " IN " in macro() and "regexp" not in macro()
+    assert dict(con.execute(cats).fetchall()) == {"kernel": True, "Kernel": False, "kernels": False, "gpu_memcpy": True,
+                                                   "gpu_memset": False, None: None}
+    rules.write_text(rules.read_text().replace("'kernel|gpu_memcpy'", "'kernel|gpu_mem.*'"))
+    ph.attach(con, rules)
+    assert "regexp_full_match" in macro()
+    assert dict(con.execute(cats).fetchall()) == {"kernel": True, "Kernel": False, "kernels": False, "gpu_memcpy": True,
+                                                   "gpu_memset": True, None: None}
+
+
 def test_views_version_is_current():
     last = Path(ph.__file__).parent / "sql" / f"{ph._view_sql()[-1][0]}.sql"
     m = re.search(r"CREATE OR REPLACE MACRO phase_views_version\(\) AS '([0-9a-f]*)'", last.read_text())
