@@ -1,6 +1,7 @@
 """Benchmark: text-log ingest throughput and memory, with `grep -rcE` as the floor.
 
     python bench/bench_ingest.py [--size-mb 1024] [--corpus ../shared/corpus] [--workers 0] [--keep]
+    python bench/bench_ingest.py --folder bench/data/text-XXXX     # again on a folder kept before
 
 Builds a folder of about --size-mb of text logs by replicating the text files of the
 corpus (each copy shifts its timestamps and varies pids and host names, so rows are not
@@ -103,16 +104,25 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=REPO.parent / "shared" / "corpus")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--folder", type=Path, help="ingest this folder (built by an earlier --keep run) instead of building one")
     args = ap.parse_args()
     data_root = REPO / "bench" / "data"
     data_root.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix="text-", dir=data_root))
+    folder = args.folder.resolve() if args.folder else Path(tempfile.mkdtemp(prefix="text-", dir=data_root))
     db = folder.with_suffix(".duckdb")
+    for p in (db, Path(str(db) + ".wal")):
+        if p.exists():
+            p.unlink()
     try:
         t0 = time.perf_counter()
-        nbytes = build(folder, args.corpus, args.size_mb)
-        nfiles = sum(1 for _ in folder.rglob("*") if _.is_file())
-        print(f"built {nbytes / 1e6:.0f} MB in {nfiles} files in {time.perf_counter() - t0:.1f} s ({folder})")
+        if args.folder:
+            files = [p for p in folder.rglob("*") if p.is_file()]
+            nbytes, nfiles = sum(p.stat().st_size for p in files), len(files)
+            print(f"reusing {nbytes / 1e6:.0f} MB in {nfiles} files ({folder})")
+        else:
+            nbytes = build(folder, args.corpus, args.size_mb)
+            nfiles = sum(1 for _ in folder.rglob("*") if _.is_file())
+            print(f"built {nbytes / 1e6:.0f} MB in {nfiles} files in {time.perf_counter() - t0:.1f} s ({folder})")
         cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--json"]
         if args.workers:
             cmd += ["--workers", str(args.workers)]
@@ -143,7 +153,8 @@ def main() -> None:
         print(f"database size {db.stat().st_size / 1e6:.0f} MB")
     finally:
         if not args.keep:
-            shutil.rmtree(folder, ignore_errors=True)
+            if not args.folder:
+                shutil.rmtree(folder, ignore_errors=True)
             for p in (db, Path(str(db) + ".wal")):
                 if p.exists():
                     p.unlink()
