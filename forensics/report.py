@@ -633,6 +633,10 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
     t_start = time.perf_counter()
     # The diagnosis reads log lines and metrics, not the phase views: it runs on a connection
     # of its own while this one materialises the phase views (DuckDB releases the GIL).
+    # Two Python threads already keep two cores busy; DuckDB threads on top of them mostly
+    # wait on each other (one aggregate of phase_steps: 0.3 CPU s with two, 0.05 with one).
+    threads = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
+    con.execute("SET threads = 1")
     diag_con = con.cursor()
     try:
         diag_con.execute("SET enable_progress_bar = false").fetchall()
@@ -643,6 +647,7 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
                 content = _content(con, diag, diag_note)
     finally:
         diag_con.close()
+        con.execute(f"SET threads = {int(threads)}")
     page = _page(title, con.execute("SELECT current_database()").fetchall()[0][0], content)
     tinfo = content["tinfo"]
     result = ReportResult(path="", bytes=len(page.encode("utf-8")), seconds=time.perf_counter() - t_start,
