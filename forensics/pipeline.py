@@ -119,10 +119,47 @@ def _safe_member_path(dest: Path, name: str) -> Path | None:
     return target
 
 
+MAX_EXTRACT_BYTES = 64 << 30  # one bundle's extracted bytes at most (env FORENSICS_MAX_EXTRACT_BYTES)
+EXTRACT_FREE_MARGIN = 1 << 30  # extraction stops before the disk has less than this free
+
+
+class _ExtractBudget:
+    """Bytes a bundle may still write: the configured maximum, and never so much that
+    the temporary folder's disk would fall below ``EXTRACT_FREE_MARGIN`` (a compression
+    bomb, or a real bundle too big for the disk, must not fill it)."""
+
+    def __init__(self, dest: Path):
+        limit = int(os.environ.get("FORENSICS_MAX_EXTRACT_BYTES", MAX_EXTRACT_BYTES))
+        free = shutil.disk_usage(dest).free - EXTRACT_FREE_MARGIN
+        self.left = max(0, min(limit, free))
+        self.why = "the limit FORENSICS_MAX_EXTRACT_BYTES" if limit <= free else "the free disk space"
+
+    def copy(self, src, target: Path) -> bool:
+        """Copy ``src`` into ``target``; False (and no file) when the budget runs out."""
+        with open(target, "wb") as out:
+            while True:
+                block = src.read(1 << 20)
+                if not block:
+                    return True
+                if len(block) > self.left:
+                    break
+                self.left -= len(block)
+                out.write(block)
+        target.unlink()
+        self.left = 0
+        return False
+
+
 def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
     """Extract a tar/zip bundle into ``dest``; members that would land outside it
-    (absolute paths, ``..``, links pointing out, devices) are skipped and reported."""
+    (absolute paths, ``..``, links pointing out, devices) are skipped and reported.
+    Extraction stops, and says so, when it would exceed :class:`_ExtractBudget`."""
     name = storable(os.path.basename(bundle))
+    budget = _ExtractBudget(dest)
+
+    def stopped(member: str) -> None:
+        messages.append(f"{name}: extraction stopped at member {member!r}: the bundle expands beyond {budget.why}; "
+                        "that member and the ones after it are not ingested (extract the bundle yourself to read it whole)")
     if bundle.lower().endswith(".zip"):
         with zipfile.ZipFile(bundle) as zf:
             for info in zf.infolist():
@@ -138,8 +175,10 @@ def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
                     target.mkdir(parents=True, exist_ok=True)
                     continue
                 target.parent.mkdir(parents=True, exist_ok=True)
-                with zf.open(info) as src, open(target, "wb") as out:
-                    shutil.copyfileobj(src, out)
+                with zf.open(info) as src:
+                    if not budget.copy(src, target):
+                        stopped(info.filename)
+                        return
         return
     with tarfile.open(bundle, "r:*") as tf:
         for member in tf:
@@ -163,8 +202,10 @@ def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
             src = tf.extractfile(safe)
             if src is None:
                 continue
-            with src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out)
+            with src:
+                if not budget.copy(src, target):
+                    stopped(member.name)
+                    return
 
 
 def storable(path: str) -> str:

@@ -235,6 +235,35 @@ def test_bundle_tar_gz(tmp_path):
     assert rows(db, "SELECT count(*) FROM lines") == rows(direct, "SELECT count(*) FROM lines")
 
 
+@pytest.mark.parametrize("kind", ["tar.gz", "zip"])
+def test_bundle_expanding_past_the_limit_stops_cleanly(tmp_path, monkeypatch, kind):
+    """A compression bomb (here 8 MB of zeros, 8 KB compressed) stops the extraction with a
+    message; the members before it are ingested, the partial member is not left behind."""
+    import io
+    import zipfile
+
+    monkeypatch.setenv("FORENSICS_MAX_EXTRACT_BYTES", str(4 << 20))
+    bundle = tmp_path / f"run.{kind}"
+    members = [("run/a.log", b"2025-01-01 00:00:00,000 INFO first file\n"), ("run/bomb.log", bytes(8 << 20)),
+               ("run/z.log", b"after the bomb\n")]
+    if kind == "zip":
+        with zipfile.ZipFile(bundle, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name, data in members:
+                zf.writestr(name, data)
+    else:
+        with tarfile.open(bundle, "w:gz") as tf:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    assert bundle.stat().st_size < 100_000
+    db = tmp_path / "b.duckdb"
+    s = pipeline.ingest([str(bundle)], str(db), workers=1)
+    said = [m for m in s.messages if "extraction stopped" in m]
+    assert len(said) == 1 and "run/bomb.log" in said[0] and "FORENSICS_MAX_EXTRACT_BYTES" in said[0], s.messages
+    assert rows(db, "SELECT path, lines FROM files") == [("run/a.log", 1)]
+
+
 def test_bad_files_do_not_stop_ingest(tmp_path, monkeypatch):
     root = tmp_path / "logs"
     shutil.copytree(FOUNDATION, root)
