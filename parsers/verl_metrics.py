@@ -95,6 +95,9 @@ def _json_loads(text: str):
         return json.loads(text, parse_constant=lambda c: {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[c])
 
 
+_PLAIN_NUMBERS = {float, int}
+
+
 def metric_rows(obj: dict, file_id: int, line_no: int, out: dict[str, list] | None = None) -> dict[str, list]:
     """Columns of the ``metrics`` rows for one JSONL record (either layout), appended to
     ``out`` (column name -> list) when given."""
@@ -104,15 +107,19 @@ def metric_rows(obj: dict, file_id: int, line_no: int, out: dict[str, list] | No
     step = step if isinstance(step, int) and not isinstance(step, bool) else None
     data = obj.get("data") if isinstance(obj.get("data"), dict) else obj
     keys = [k for k in data if not (data is obj and k in ("step", "_step", "global_step"))]
+    raw = [data[k] for k in keys]
     values, texts = out["value"], out["value_text"]
-    for key in keys:
-        value = data[key]
-        if isinstance(value, (bool, int, float)):
-            values.append(float(value))
-            texts.append(repr(value))
-        else:
-            values.append(None)
-            texts.append(value if isinstance(value, str) else json.dumps(value))
+    if set(map(type, raw)) <= _PLAIN_NUMBERS:  # the usual record: C-level maps, no loop
+        values.extend(map(float, raw))
+        texts.extend(map(repr, raw))
+    else:
+        for value in raw:
+            if isinstance(value, (bool, int, float)):
+                values.append(float(value))
+                texts.append(repr(value))
+            else:
+                values.append(None)
+                texts.append(value if isinstance(value, str) else json.dumps(value))
     n = len(keys)
     out["file_id"].extend([file_id] * n)
     out["line_no"].extend([line_no] * n)
