@@ -233,6 +233,14 @@ def score_collapse(series: list[Series], conf: dict) -> list[Alarm]:
     out = []
     for s in _matching(series, conf.get("keys") or []):
         vals = [(i, v) for i, v in enumerate(s.values) if _finite(v)]
+        if len(vals) <= window:
+            continue
+        # exact shortcut: the best median is at most the largest value, so a series whose
+        # later values all stay above (1 - drop) x its largest value cannot collapse
+        hi = max(v for _, v in vals)
+        if sustain >= 1 and 0 <= drop <= 1 and (
+                hi < min_best or hi <= 0 or min(v for _, v in vals[window:]) > (1 - drop) * hi):
+            continue
         best = -math.inf
         for k in range(len(vals)):
             if k >= window:
@@ -263,7 +271,7 @@ def entropy_collapse(series: list[Series], conf: dict) -> list[Alarm]:
         if any(v is not None and not _finite(v) for v in s.values):
             continue  # NaN/Inf entropy is divergence, not collapse
         vals = [(i, v) for i, v in enumerate(s.values) if v is not None]
-        if len(vals) < window + 2:
+        if len(vals) < window + 2 or min(v for _, v in vals) >= floor:  # never below the floor
             continue
         start = median([v for _, v in vals[:window]])
         if start < start_min:

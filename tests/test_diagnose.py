@@ -217,6 +217,14 @@ def test_detector_score_collapse():
     noisy_dip = [0.6, 0.62, 0.63, 0.61, 0.62, 0.4, 0.38, 0.41, 0.6, 0.62, 0.61]  # a 35% dip that recovers
     assert detectors.score_collapse([_series("critic/score/mean", noisy_dip)], sc) == []
     assert detectors.score_collapse([_series("critic/score/mean", plateau)], sc) == []
+    # at the edge of the shortcut that skips series which cannot collapse: a flat best and
+    # a run exactly at (1 - drop) x best still fires
+    w, drop, sustain = int(sc["window"]), float(sc["drop"]), int(sc["sustain"])
+    edge = [0.8] * (w + 1) + [(1 - drop) * 0.8] * sustain
+    (e,) = detectors.score_collapse([_series("critic/score/mean", edge)], sc)
+    assert e.step == w + 2
+    above = [0.8] * (w + 1) + [(1 - drop) * 0.8 + 1e-9] * sustain
+    assert detectors.score_collapse([_series("critic/score/mean", above)], sc) == []
 
 
 def test_empty_database_cannot_be_diagnosed(tmp_path):
