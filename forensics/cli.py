@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
+from rich.text import Text
 
 from . import pipeline
 from .store import StoreError, StoreLocked
@@ -27,8 +28,11 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Post-mortems of distributed RL training runs (Ray, vLLM/SGLang, FSDP/Megatron, NCCL) from their logs.",
 )
-out = Console(soft_wrap=True)
-err = Console(stderr=True, soft_wrap=True)
+# no emoji codes: log text is full of ``:100:``-like sequences (file:line:) that rich
+# would turn into pictures; markup off unless a call asks for it (our own styled
+# messages, where the input text in them goes through _shown)
+out = Console(soft_wrap=True, emoji=False, markup=False)
+err = Console(stderr=True, soft_wrap=True, emoji=False, markup=False)
 
 DB_OPTION = typer.Option("forensics.duckdb", "--db", help="DuckDB database file.")
 
@@ -167,7 +171,7 @@ def _print_ingest(summary: pipeline.IngestSummary, headline: str | None, db: str
         highlight=False,
     )
     if headline:
-        out.print(f"diagnosis: {headline}", highlight=False)
+        out.print(f"diagnosis: {headline}", highlight=False, markup=False)
 
 
 def _headline(db: str) -> str | None:
@@ -228,7 +232,7 @@ def query(
         for c in df.columns:
             t.add_column(c, overflow="fold")
         for row in df.iter_rows():
-            t.add_row(*["" if v is None else str(v) for v in row])
+            t.add_row(*[Text("" if v is None else str(v)) for v in row])  # Text: never read as markup
         out.print(t)
         out.print(f"({df.height} row{'s' if df.height != 1 else ''})", highlight=False)
 
@@ -299,7 +303,7 @@ def report(
         _fail(f"cannot write {output}: {exc}")
         return
     for note in result.notes:
-        err.print(f"[yellow]![/yellow] {note}", markup=True, highlight=False)
+        err.print(f"[yellow]![/yellow] {_shown(note)}", markup=True, highlight=False)
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
 
 
@@ -369,7 +373,7 @@ def signatures_cmd(
     for c in ("id", "class", "role", "weight", "title"):
         t.add_column(c, overflow="fold")
     for r in sorted(cat.rules, key=lambda r: (r.cls, r.role, r.id)):
-        t.add_row(r.id, r.cls, r.role, f"{r.weight:.2f}", r.title or "")
+        t.add_row(*(Text(v) for v in (r.id, r.cls, r.role, f"{r.weight:.2f}", r.title or "")))  # user rule files
     out.print(t)
     detectors = ", ".join(sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict)))
     out.print(f"{len(cat.rules)} rule(s) from {len(cat.sources)} file(s); metric detectors: {detectors}", highlight=False)

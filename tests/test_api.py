@@ -182,3 +182,19 @@ def test_kernel_views_over_a_profiler_trace(traces_db):  # noqa: F811
         coll = r.sql("SELECT source, rank, pg_name, coll_name, calls, elements, wait_s FROM collectives_by_rank")
         # one rank only: nothing to match across ranks, so no wait figures
         assert coll.rows() == [("trace", 1, "0", "allreduce", 1, 32768000, None)]
+
+
+def test_cli_prints_log_text_verbatim(tmp_path):
+    """Log text is not rich markup and has no emoji codes: `[/red]` must not stop a command
+    (it did: MarkupError after a successful ingest) and `:100:` (file:line:) must stay text."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    bad = "torch.OutOfMemoryError: CUDA out of memory [/red] :100: [bold]boom"
+    (logs / "w.err").write_text(f'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n{bad}\n')
+    db = str(tmp_path / "m.duckdb")
+    runner = CliRunner()
+    for args in (["ingest", str(logs), "--db", db, "-q"], ["query", "SELECT text FROM lines", "--db", db], ["diagnose", "--db", db]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, (args, res.output)
+        assert bad in res.output.replace("\n", ""), (args, res.output)
+        assert "\U0001f4af" not in res.output
