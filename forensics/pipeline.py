@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
+import duckdb
 import polars as pl
 import pyarrow as pa
 
@@ -45,7 +46,9 @@ from .store import FILES, PROBLEMS, Store, write_part
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
 TMP_PREFIX = "forensics-"  # the ingest's temporary folder: forensics-<pid>-<random>
-DB_MEMORY = "512MB"  # DuckDB memory limit while ingesting (env FORENSICS_DB_MEMORY): a 2 GB trace peaked at 1.16 GB with 1GB, 0.73 GB with this, as fast
+# DuckDB memory limit while ingesting (env FORENSICS_DB_MEMORY): a 2 GB trace peaked at
+# 1.16 GB with 1GB and at 0.73 GB with this, in the same time
+DB_MEMORY = "512MB"
 DB_THREADS = 1  # DuckDB threads while ingesting (env FORENSICS_DB_THREADS)
 DB_CHECKPOINT = "256MB"  # WAL size that triggers a checkpoint while ingesting (env FORENSICS_DB_CHECKPOINT)
 
@@ -119,6 +122,16 @@ def _safe_member_path(dest: Path, name: str) -> Path | None:
     return target
 
 
+def _int_setting(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise IngestError(f"{name} must be a whole number, not {raw!r}") from None
+
+
 MAX_EXTRACT_BYTES = 64 << 30  # one bundle's extracted bytes at most (env FORENSICS_MAX_EXTRACT_BYTES)
 EXTRACT_FREE_MARGIN = 1 << 30  # extraction stops before the disk has less than this free
 
@@ -129,7 +142,7 @@ class _ExtractBudget:
     bomb, or a real bundle too big for the disk, must not fill it)."""
 
     def __init__(self, dest: Path):
-        limit = int(os.environ.get("FORENSICS_MAX_EXTRACT_BYTES", MAX_EXTRACT_BYTES))
+        limit = _int_setting("FORENSICS_MAX_EXTRACT_BYTES", MAX_EXTRACT_BYTES)
         free = shutil.disk_usage(dest).free - EXTRACT_FREE_MARGIN
         self.left = max(0, min(limit, free))
         self.why = "the limit FORENSICS_MAX_EXTRACT_BYTES" if limit <= free else "the free disk space"
@@ -620,16 +633,27 @@ def ingest(
     """
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
+    settings = [
+        # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by
+        # default); ingest needs little of it, and more is not faster
+        ("memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)),
+        # one writer thread: the parser processes need the cores, and DuckDB writes each
+        # insert as full row groups instead of one partial group per thread (measured on
+        # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
+        ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
+        # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
+        ("checkpoint_threshold", "FORENSICS_DB_CHECKPOINT", os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)),
+    ]
     store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
-    # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by default);
-    # ingest needs little of it, and more is not faster
-    store.con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)])
-    # one writer thread: the parser processes need the cores, and DuckDB writes each
-    # insert as full row groups instead of one partial group per thread (measured on
-    # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
-    store.con.execute("SET threads = ?", [int(os.environ.get("FORENSICS_DB_THREADS", DB_THREADS))])
-    # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
-    store.con.execute("SET checkpoint_threshold = ?", [os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)])
+    try:
+        for key, env, value in settings:
+            try:
+                store.con.execute(f"SET {key} = ?", [value])
+            except duckdb.Error as exc:
+                raise IngestError(f"{env}={value!r} is not a value DuckDB takes for {key}: {exc}") from None
+    except BaseException:
+        store.close()
+        raise
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
     tmp_root = make_tmp_root()

@@ -384,3 +384,14 @@ def test_corpus_metrics_ray_runs(corpus, ingested_corpus):
             continue
         got = set(rows(db, "SELECT step, key FROM metrics m JOIN files f USING (file_id) WHERE f.path = 'driver.log'"))
         assert got == _console_metrics(case / "driver.log"), case.name
+
+
+@pytest.mark.parametrize("env, value", [("FORENSICS_DB_MEMORY", "lots"), ("FORENSICS_DB_THREADS", "x"),
+                                        ("FORENSICS_MAX_EXTRACT_BYTES", "1e9")])
+def test_bad_settings_are_named(tmp_path, monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    bundle = tmp_path / "b.tar.gz"
+    with tarfile.open(bundle, "w:gz") as tf:
+        tf.add(FOUNDATION / "driver.log", arcname="driver.log")
+    with pytest.raises(pipeline.IngestError, match=env):
+        pipeline.ingest([str(bundle)], str(tmp_path / "s.duckdb"), workers=1)
