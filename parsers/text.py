@@ -296,25 +296,25 @@ def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     indented frame lines up to and including the first non-indented line (the
     exception). Interleaved streams (different pid/rank prefixes) are followed apart.
     """
-    msg = pl.col("message")
-    start = msg.str.contains(r"^\s*Traceback \(most recent call last\):")
-    fids = df.filter(start).get_column("file_id").unique()
+    start = df.get_column("message").str.contains(r"^\s*Traceback \(most recent call last\):")
+    fids = df.get_column("file_id").filter(start).unique()
     if fids.is_empty():
         return df
     if fids.len() < df.get_column("file_id").n_unique():
         # a batch of many files: only those with a traceback need the window work
         idx = df.select(pl.arg_where(pl.col("file_id").is_in(fids.implode()))).to_series()
-        marked = _mark_tracebacks(df[idx], start).get_column("event_line")
+        marked = _mark_tracebacks(df[idx], start.gather(idx)).get_column("event_line")
         return df.with_columns(df.get_column("event_line").clone().scatter(idx, marked))
     return _mark_tracebacks(df, start)
 
 
-def _mark_tracebacks(df: pl.DataFrame, start: pl.Expr) -> pl.DataFrame:
+def _mark_tracebacks(df: pl.DataFrame, is_start: pl.Series) -> pl.DataFrame:
+    """:func:`mark_tracebacks` on the rows ``df``, ``is_start`` marking their first lines."""
     msg = pl.col("message")
+    start = pl.col("_st")
     key = [pl.col("file_id"), pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
     indented = msg.str.contains(r"^(?:\s|\^|~)") | (msg.str.strip_chars() == "")
-    tmp = df.with_columns(
-        start.alias("_st"),
+    tmp = df.with_columns(is_start.alias("_st")).with_columns(
         (~start & ~indented).alias("_br"),
         pl.when(start).then(pl.col("line_no")).alias("_sl"),
     ).with_columns(
