@@ -21,7 +21,7 @@ from rich.table import Table as RichTable
 from rich.text import Text
 
 from . import pipeline
-from .store import StoreError, StoreLocked
+from .store import SettingError, StoreError, StoreLocked
 
 app = typer.Typer(
     add_completion=True,
@@ -336,6 +336,9 @@ def diagnose(
         return
     except duckdb.IOException as exc:  # locked or unreadable database
         _fail(f"cannot read {db}: {exc}")
+        return
+    except SettingError as exc:
+        _fail(str(exc))
         return
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))

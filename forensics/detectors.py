@@ -99,21 +99,55 @@ class Series:
                      detail=detail, ts=self.ts[i] if self.ts is not None else None)
 
 
-def load_series(con, patterns: list[str]) -> list[Series]:
+CHUNK_POINTS = 400_000  # metric points held in Python at a time (memory is bounded by this, not the run)
+
+
+def _watched_keys(con, patterns: list[str]) -> list[str]:
     if not patterns:
         return []
     rx = re.compile(_keys_regex(patterns))
-    keys = [k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE key IS NOT NULL").fetchall() if rx.search(k)]
+    return [k for (k,) in con.execute("SELECT DISTINCT key FROM metrics WHERE key IS NOT NULL").fetchall() if rx.search(k)]
+
+
+def _file_chunks(con, keys: list[str], limit: int) -> list[tuple[int, int]]:
+    """Ranges of file ids whose watched points number about ``limit`` or fewer (a file
+    with more points is a range of its own)."""
+    counts = con.execute(
+        f"""SELECT file_id, count(*) FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)})
+            GROUP BY file_id ORDER BY file_id""", keys).fetchall()
+    out: list[tuple[int, int]] = []
+    lo = hi = None
+    n = 0
+    for file_id, c in counts:
+        if lo is not None and n + c > limit:
+            out.append((lo, hi))
+            lo, n = None, 0
+        if lo is None:
+            lo = file_id
+        hi, n = file_id, n + c
+    if lo is not None:
+        out.append((lo, hi))
+    return out
+
+
+def load_series(con, patterns: list[str], keys: list[str] | None = None,
+                files: tuple[int, int] | None = None) -> list[Series]:
+    """The series of the metrics whose key matches one of ``patterns`` (or is in
+    ``keys``), of all files or of the file ids in the range ``files``."""
+    if keys is None:
+        keys = _watched_keys(con, patterns)
     if not keys:
         return []
     # first value of each (file, key, step): a file that repeats a step (several ranks,
     # a resumed run) keeps the earliest line. No timestamps: millions of datetime objects
     # would double the memory, and only the few alarms kept need theirs (_alarm_times)
+    where = "" if files is None else f" AND file_id BETWEEN {int(files[0])} AND {int(files[1])}"
     df = pl.from_arrow(con.sql(
         f"""SELECT file_id, source, key, step, arg_min(value, line_no) AS value, min(line_no) AS line_no
-            FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)})
+            FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)}){where}
             GROUP BY ALL ORDER BY file_id, key, step""", params=keys).to_arrow_table())
-    paths = dict(con.execute("SELECT file_id, path FROM files").fetchall())
+    ids = df["file_id"].unique().to_list()
+    paths = dict(con.execute(f"SELECT file_id, path FROM files WHERE file_id IN ({', '.join(map(str, ids)) or 'NULL'})").fetchall())
     grouped = df.group_by(["file_id", "source", "key"], maintain_order=True).agg("step", "value", "line_no")
     del df
     # (the query made steps distinct and ordered them within each group)
@@ -310,31 +344,42 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
     rc = div.get("regime_change") or {}
     patterns += (rc.get("trigger_keys") or []) + (rc.get("watch_keys") or [])
     patterns += (col.get("entropy_keys") or []) + (col.get("grad_norm_keys") or [])
-    series = load_series(con, patterns)
-    if not series:
+    keys = _watched_keys(con, patterns)
+    if not keys:
         return []
     alarms: list[Alarm] = []
-    alarms += nonfinite(series, div)
-    alarms += spike(series, div.get("spike") or {})
-    alarms += regime_change(series, rc)
-    alarms += score_collapse(series, div.get("score_collapse") or {})
-    alarms += entropy_collapse(series, col)
+    # every detector looks at one series, or at the series of one file, so the files are
+    # taken a chunk at a time and memory does not grow with the run
+    for files in _file_chunks(con, keys, CHUNK_POINTS):
+        series = load_series(con, patterns, keys, files)
+        alarms += nonfinite(series, div)
+        alarms += spike(series, div.get("spike") or {})
+        alarms += regime_change(series, rc)
+        alarms += score_collapse(series, div.get("score_collapse") or {})
+        alarms += entropy_collapse(series, col)
+        del series
     alarms.sort(key=lambda a: (a.step, SOURCE_PREFERENCE.get(a.source or "", 9), a.path))
     # one alarm per detector: its earliest step, from the preferred kind of file
     first: dict[tuple[str, str], Alarm] = {}
     for a in alarms:
         first.setdefault((a.cls, a.detector), a)
     alarms = list(first.values())
-    # same-step lines of the same metric in other files corroborate an alarm
-    for a in alarms:
-        for s in series:
-            if s.key == a.key and s.file_id != a.file_id:
-                i = s.index_of(a.step)
-                if i is not None and s.lines[i] is not None:
-                    a.also.append((s.path, s.lines[i]))
+    _corroborate(con, alarms)
     _alarm_times(con, alarms)
     _step_times(con, alarms)
     return alarms
+
+
+def _corroborate(con, alarms: list[Alarm]) -> None:
+    """Same-step lines of the same metric in other files corroborate an alarm (the first
+    line of that step in each (file, source) series, in file order)."""
+    for a in alarms:
+        rows = con.execute(
+            """SELECT f.path, min(m.line_no) FROM metrics m JOIN files f USING (file_id)
+               WHERE m.key = ? AND m.step = ? AND m.file_id <> ?
+               GROUP BY m.file_id, m.source, f.path HAVING min(m.line_no) IS NOT NULL
+               ORDER BY m.file_id, m.source""", [a.key, a.step, a.file_id]).fetchall()
+        a.also.extend((path, line) for path, line in rows)
 
 
 def _step_times(con, alarms: list[Alarm]) -> None:

@@ -43,6 +43,7 @@ import pyarrow as pa
 from . import detectors
 from . import signatures as sig
 from .signatures import Catalogue, Remedy, Rule
+from .store import SettingError, set_memory_limit
 
 MAX_HITS_PER_RULE_FILE = 2000
 ORIGIN_FORMATS = {"ray_worker", "kernel", "nccl_debug", "ray_raylet", "ray_gcs_server", "ray_monitor", "vllm"}
@@ -379,7 +380,7 @@ class RunFacts:
         self.step_times = sorted(con.execute(
             r"""SELECT TRY_CAST(regexp_extract(message, '^step:(\d+) - ', 1) AS BIGINT) AS step, min(ts)
                 FROM lines WHERE starts_with(message, 'step:') AND ts IS NOT NULL
-                GROUP BY step HAVING step >= 1""").fetchall(), key=lambda r: r[1])
+                GROUP BY step HAVING step >= 1 ORDER BY step""").fetchall(), key=lambda r: r[1])
 
     # -- nodes ----------------------------------------------------------------------
     def _load_nodes(self) -> None:
@@ -394,9 +395,10 @@ class RunFacts:
         rows = self.con.execute(
             """WITH g AS (SELECT pid, node, actor, count(*) AS n FROM lines
                           WHERE pid IS NOT NULL AND (node IS NOT NULL OR actor IS NOT NULL) GROUP BY ALL)
-               SELECT pid, list(DISTINCT node) FILTER (WHERE node IS NOT NULL),
-                      arg_max(node, n) FILTER (WHERE node IS NOT NULL), arg_max(actor, n) FILTER (WHERE actor IS NOT NULL)
-               FROM g GROUP BY pid""").fetchall()
+               SELECT pid, list(DISTINCT node ORDER BY node) FILTER (WHERE node IS NOT NULL),
+                      first(node ORDER BY n DESC, node) FILTER (WHERE node IS NOT NULL),
+                      first(actor ORDER BY n DESC, actor) FILTER (WHERE actor IS NOT NULL)
+               FROM g GROUP BY pid ORDER BY pid""").fetchall()  # ordered throughout: ties broken by name
         for pid, nodes, top, actor in rows:
             nodes = [n for n in (nodes or []) if n]
             for n in nodes[1:]:
@@ -414,7 +416,8 @@ class RunFacts:
             r"""SELECT TRY_CAST(regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 1) AS BIGINT),
                        regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 2),
                        regexp_extract(message, '^(\d+)\s+[\d.]+\s+ray::(\w+)(?:\.(\w+))?', 3)
-                FROM lines WHERE contains(message, 'ray::') AND regexp_matches(message, '^\d+\s+[\d.]+\s+ray::\w+')"""
+                FROM lines WHERE contains(message, 'ray::') AND regexp_matches(message, '^\d+\s+[\d.]+\s+ray::\w+')
+                ORDER BY file_id, line_no"""
         ).fetchall():
             if pid is not None and actor:
                 self.pid_actor.setdefault(pid, actor)
@@ -459,20 +462,20 @@ class RunFacts:
         con = self.con
         votes: dict[int, Counter] = defaultdict(Counter)
         weight = {"line": 1, "message": 1, "nccl_init": 3, "actor_name": 5}
-        for pid, rank, source, n, node in con.execute("SELECT pid, rank, source, n, node FROM rank_pids").fetchall():
+        for pid, rank, source, n, node in con.execute("SELECT pid, rank, source, n, node FROM rank_pids ORDER BY pid, rank, source").fetchall():
             if pid is None or rank is None:
                 continue
             votes[pid][rank] += weight.get(source, 1) * min(int(n), 20)
         if _table_exists(con, "nccl_rank_map"):
             try:
-                for pid, rank in con.execute("SELECT pid, rank FROM nccl_rank_map WHERE pid IS NOT NULL AND rank IS NOT NULL").fetchall():
+                for pid, rank in con.execute("SELECT pid, rank FROM nccl_rank_map WHERE pid IS NOT NULL AND rank IS NOT NULL ORDER BY pid, rank").fetchall():
                     votes[int(pid)][int(rank)] += 3
             except duckdb.Error as exc:
                 if "does not exist" not in str(exc):
                     raise
         if self.cat.rank_zero_prints:
             cond = " OR ".join(f"regexp_matches(message, {_sql_str(p)})" for p in self.cat.rank_zero_prints)
-            for (pid,) in con.execute(f"SELECT DISTINCT pid FROM diag_candidates WHERE pid IS NOT NULL AND ({cond})").fetchall():
+            for (pid,) in con.execute(f"SELECT DISTINCT pid FROM diag_candidates WHERE pid IS NOT NULL AND ({cond}) ORDER BY pid").fetchall():
                 votes[pid][0] += 4
         for pid, c in votes.items():
             (best, n), *rest = c.most_common()
@@ -618,7 +621,7 @@ class RunConfig:
         top = "|".join(cls.TOP_KEYS)
         override = re.compile(rf"(?:^|\s)\+{{0,2}}((?:{top})(?:\.[\w]+)+)=('[^']*'|\"[^\"]*\"|\S+)")
         for (msg,) in con.execute(
-            f"SELECT message FROM lines WHERE regexp_matches(message, '(?:^|\\s)\\+{{0,2}}(?:{top})\\.[\\w.]+=') LIMIT 5000"
+            f"SELECT message FROM lines WHERE regexp_matches(message, '(?:^|\\s)\\+{{0,2}}(?:{top})\\.[\\w.]+=') ORDER BY file_id, line_no LIMIT 5000"
         ).fetchall():
             for key, raw in override.findall(msg):
                 raw = raw.rstrip("\\").strip()
@@ -752,8 +755,11 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
             raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
         con = duckdb.connect(str(db), read_only=True)
         con.execute("SET enable_progress_bar = false")  # the CLI prints its own output
-        # DuckDB caches up to 80% of RAM by default; the scans here gain nothing from it
-        con.execute("SET memory_limit = ?", [os.environ.get("FORENSICS_DB_MEMORY", "1GB")])
+        try:
+            set_memory_limit(con)
+        except SettingError:
+            con.close()
+            raise
     try:
         d = _Diagnoser(con, cat, performance).run()
     finally:

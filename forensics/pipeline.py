@@ -41,14 +41,11 @@ import parsers
 from parsers.base import FileContext
 
 from . import detect as det
-from .store import FILES, PROBLEMS, Store, write_part
+from .store import FILES, PROBLEMS, SettingError, Store, set_memory_limit, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
 TMP_PREFIX = "forensics-"  # the ingest's temporary folder: forensics-<pid>-<random>
-# DuckDB memory limit while ingesting (env FORENSICS_DB_MEMORY): a 2 GB trace peaked at
-# 1.16 GB with 1GB and at 0.73 GB with this, in the same time
-DB_MEMORY = "512MB"
 DB_THREADS = 1  # DuckDB threads while ingesting (env FORENSICS_DB_THREADS)
 DB_CHECKPOINT = "256MB"  # WAL size that triggers a checkpoint while ingesting (env FORENSICS_DB_CHECKPOINT)
 
@@ -634,10 +631,7 @@ def ingest(
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
     settings = [
-        # DuckDB keeps written blocks cached up to its memory limit (80% of RAM by
-        # default); ingest needs little of it, and more is not faster
-        ("memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)),
-        # one writer thread: the parser processes need the cores, and DuckDB writes each
+        # (the memory limit: store.set_memory_limit) one writer thread: the parser processes need the cores, and DuckDB writes each
         # insert as full row groups instead of one partial group per thread (measured on
         # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
         ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
@@ -646,6 +640,10 @@ def ingest(
     ]
     store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
     try:
+        try:
+            set_memory_limit(store.con)
+        except SettingError as exc:
+            raise IngestError(str(exc)) from None
         for key, env, value in settings:
             try:
                 store.con.execute(f"SET {key} = ?", [value])

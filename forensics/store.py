@@ -27,6 +27,25 @@ from parsers.base import FILE_ID, LINE_NO, Table, col
 
 SCHEMA_VERSION = 1
 
+# DuckDB's memory limit for ingest and diagnosis (env FORENSICS_DB_MEMORY). DuckDB caches
+# blocks up to 80% of RAM by default; neither job gains from that. Measured: a 2 GB trace
+# ingested in the same time at 0.73 GB peak with this and 1.16 GB with 1GB; the diagnosis
+# of 1 GB of logs in the same time at 1.0 GB peak with this and 1.4 GB with 1GB.
+DB_MEMORY = "512MB"
+
+
+class SettingError(ValueError):
+    """An environment setting that DuckDB does not take."""
+
+
+def set_memory_limit(con: duckdb.DuckDBPyConnection) -> None:
+    """Apply ``FORENSICS_DB_MEMORY`` (default :data:`DB_MEMORY`) to ``con``."""
+    value = os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)
+    try:
+        con.execute("SET memory_limit = ?", [value])
+    except duckdb.Error as exc:
+        raise SettingError(f"FORENSICS_DB_MEMORY={value!r} is not a value DuckDB takes for memory_limit: {exc}") from None
+
 FILES = Table(
     "files",
     "One row per ingested file: what it is, how much of it was read, and what went wrong.",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
+import duckdb
 import pytest
 from typer.testing import CliRunner
 
@@ -237,3 +239,38 @@ def test_empty_database_cannot_be_diagnosed(tmp_path):
     assert dg.headline(db).startswith("nothing to diagnose")
     r = CliRunner().invoke(app, ["diagnose", "--db", str(db)])
     assert r.exit_code != 0 and "no log lines" in r.output
+
+
+def _alarm_rows(alarms: list[detectors.Alarm]) -> list[tuple]:
+    return [(a.cls, a.detector, a.step, a.key, repr(a.value), a.path, a.line_no, a.source, a.detail, a.ts, a.also) for a in alarms]
+
+
+def test_detectors_by_chunks_of_files_find_the_same_alarms(tmp_path, monkeypatch):
+    """Metric series are loaded a few files at a time (memory bounded by CHUNK_POINTS);
+    the alarms, their corroborating lines in other files and their times do not depend
+    on how the files were cut into chunks."""
+    root = tmp_path / "run"
+    for i, name in enumerate(("diag_divergence_console", "diag_divergence_console", "diag_healthy_benign")):
+        shutil.copytree(FIXTURES / name, root / f"{i}-{name}", ignore=shutil.ignore_patterns("expected.json"))
+    db = str(tmp_path / "c.duckdb")
+    pipeline.ingest([str(root)], db, workers=1)
+    settings = sig.load().metric_detectors
+    con = duckdb.connect(db, read_only=True)
+    try:
+        assert len(detectors._file_chunks(con, detectors._watched_keys(con, ["."]), 1)) > 1
+        whole = _alarm_rows(detectors.run(con, settings))
+        monkeypatch.setattr(detectors, "CHUNK_POINTS", 1)  # one file per chunk
+        chunked = _alarm_rows(detectors.run(con, settings))
+    finally:
+        con.close()
+    assert whole and chunked == whole
+    assert any(row[-1] for row in whole), "the copy of the console log corroborates the alarm"
+
+
+def test_diagnose_names_a_bad_memory_setting(tmp_path, monkeypatch):
+    db = str(tmp_path / "m.duckdb")
+    pipeline.ingest([str(FIXTURES / "diag_divergence_console")], db, workers=1)
+    monkeypatch.setenv("FORENSICS_DB_MEMORY", "lots")
+    res = CliRunner().invoke(app, ["diagnose", "--db", db])
+    assert res.exit_code == 2
+    assert "FORENSICS_DB_MEMORY='lots'" in res.output
