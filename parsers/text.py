@@ -289,14 +289,20 @@ def parse_ts(expr: pl.Expr) -> pl.Expr:
 YEARLESS = 2000  # placeholder year for formats that print none (a leap year: Feb 29 parses)
 
 
+# at the start of a line, or ending one after unterminated output (a progress bar)
+TRACEBACK_START = r"^\s*Traceback \(most recent call last\):|Traceback \(most recent call last\):\s*$"
+
+
 def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
     """Group Python tracebacks into one multi-line event: ``event_line`` = first line.
 
     A traceback starts at ``Traceback (most recent call last):`` and runs over the
     indented frame lines up to and including the first non-indented line (the
     exception). Interleaved streams (different pid/rank prefixes) are followed apart.
+    The header may also end a line that something else began without a line break:
+    a progress bar (tqdm redraws with ``\\r``) the crash interrupted.
     """
-    start = df.get_column("message").str.contains(r"^\s*Traceback \(most recent call last\):")
+    start = df.get_column("message").str.contains(TRACEBACK_START)
     fids = df.get_column("file_id").filter(start).unique()
     if fids.is_empty():
         return df

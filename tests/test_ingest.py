@@ -395,3 +395,42 @@ def test_bad_settings_are_named(tmp_path, monkeypatch, env, value):
         tf.add(FOUNDATION / "driver.log", arcname="driver.log")
     with pytest.raises(pipeline.IngestError, match=env):
         pipeline.ingest([str(bundle)], str(tmp_path / "s.duckdb"), workers=1)
+
+
+def test_traceback_after_an_interrupted_progress_bar_is_one_event(tmp_path):
+    """A crash in the middle of a tqdm bar prints the traceback header on the bar's line
+    (after its last ``\\r`` redraw): the traceback is still one event, from that line to
+    the exception."""
+    log = tmp_path / "run" / "offline.log"
+    log.parent.mkdir()
+    log.write_bytes(
+        b"INFO 11-30 01:07:00 [llm.py:100] Starting\n"
+        b"\rRendering prompts:   0%|          | 0/2 [00:00<?, ?it/s]\rRendering prompts:  50%|#####     | 1/2"
+        b" [00:00<00:00]Traceback (most recent call last):\n"
+        b'  File "/w/off.py", line 10, in <module>\n'
+        b"    outs = llm.generate(prompts)\n"
+        b"           ^^^^^^^^^^^^^^^^^^^^^\n"
+        b"ValueError: prompt is too long\n"
+        b"INFO 11-30 01:07:01 [llm.py:120] after\n"
+        b"text that merely mentions Traceback (most recent call last): and goes on\n"
+    )
+    db = tmp_path / "t.duckdb"
+    pipeline.ingest([str(tmp_path / "run")], str(db), workers=1)
+    got = rows(db, "SELECT line_no, event_line FROM lines ORDER BY line_no")
+    assert got == [(1, None), (2, 2), (3, 2), (4, 2), (5, 2), (6, 2), (7, None), (8, None)]
+
+
+def test_corpus_traceback_after_progress_bar(corpus, ingested_corpus):
+    case = corpus / "real" / "vllm-prompt-too-long"
+    if case not in ingested_corpus:
+        pytest.skip("case absent")
+    db = ingested_corpus[case]
+    (start,) = rows(db, """SELECT l.line_no FROM lines l JOIN files f USING (file_id)
+                          WHERE f.path = 'offline_llm.log' AND l.message LIKE '%Traceback (most recent call last):'""")[0]
+    exc = rows(db, """SELECT l.line_no, l.event_line FROM lines l JOIN files f USING (file_id)
+                      WHERE f.path = 'offline_llm.log' AND l.line_no > ? AND l.message NOT LIKE ' %'
+                      ORDER BY l.line_no LIMIT 1""", [start])[0]
+    assert exc[1] == start, "the exception line closes the traceback that began on the progress bar's line"
+    assert rows(db, """SELECT count(*) FROM lines l JOIN files f USING (file_id)
+                       WHERE f.path = 'offline_llm.log' AND l.line_no BETWEEN ? AND ? AND l.event_line IS DISTINCT FROM ?""",
+                [start, exc[0], start]) == [(0,)]
