@@ -2,13 +2,15 @@
 
     python bench/bench_ingest.py [--size-mb 1024] [--corpus ../shared/corpus] [--workers 0] [--keep]
     python bench/bench_ingest.py --folder bench/data/text-XXXX     # again on a folder kept before
+    python bench/bench_ingest.py --fraction 0                       # without the smaller comparison run
 
 Builds a folder of about --size-mb of text logs by replicating the text files of the
 corpus (each copy shifts its timestamps and varies pids and host names, so rows are not
 identical), then prints, in one run: MB/s and peak RSS (whole process tree) of
 `forensics ingest` on it, and the time of `grep -rcE` over the same folder with a few
-typical error patterns. The folder goes to bench/data/ (git-ignored) and is removed
-unless --keep is given.
+typical error patterns. Then it ingests the first quarter of the copies (--fraction) on
+its own: peak RSS that does not grow with the folder shows next to the full run. The
+folder goes to bench/data/ (git-ignored) and is removed unless --keep is given.
 """
 from __future__ import annotations
 
@@ -80,22 +82,57 @@ def build(folder: Path, corpus: Path, size_mb: int) -> int:
     return total
 
 
+LARGEST: list[int] = [0]  # peak RSS of the largest single process of the last run_measured
+
+
 def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
-    """Wall time and peak RSS (sum over the process tree, sampled every 50 ms)."""
+    """Wall time and peak RSS (sum over the process tree, sampled every 50 ms); the peak
+    of the largest single process goes to LARGEST[0]."""
     t0 = time.perf_counter()
     proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak = 0
+    peak = largest = 0
     while proc.poll() is None:
         try:
             procs = [proc] + proc.children(recursive=True)
-            rss = sum(p.memory_info().rss for p in procs if p.is_running())
-            peak = max(peak, rss)
+            each = [p.memory_info().rss for p in procs if p.is_running()]
+            peak = max(peak, sum(each))
+            largest = max([largest, *each])
         except psutil.Error:
             pass
         time.sleep(0.05)
     wall = time.perf_counter() - t0
     out, err = proc.communicate()
+    LARGEST[0] = largest
     return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def smaller_run(folder: Path, fraction: float, workers: int) -> None:
+    """Ingest the first ``fraction`` of the copies (runNNNN folders) into a database of
+    its own and print its MB/s and peak RSS: next to the full run, it shows whether
+    memory grows with the folder."""
+    runs = sorted(p for p in folder.iterdir() if p.is_dir())
+    part = runs[: max(1, round(len(runs) * fraction))]
+    nbytes = sum(f.stat().st_size for r in part for f in r.rglob("*") if f.is_file())
+    db = folder.with_name(folder.name + f"-part{len(part)}.duckdb")
+    for p in (db, Path(str(db) + ".wal")):
+        if p.exists():
+            p.unlink()
+    cmd = [sys.executable, "-m", "forensics", "ingest", *map(str, part), "--db", str(db), "--json"]
+    if workers:
+        cmd += ["--workers", str(workers)]
+    try:
+        wall, peak, proc = run_measured(cmd)
+        if proc.returncode != 0:
+            print(proc.stderr.decode()[-3000:])
+            raise SystemExit("ingest of the smaller folder failed")
+        load_s = json.loads(proc.stdout)["seconds"]
+        print(f"the first {len(part)} of {len(runs)} copies ({nbytes / 1e6:.0f} MB): whole command {wall:.2f} s, "
+              f"{nbytes / 1e6 / wall:.1f} MB/s; ingest itself {load_s:.2f} s, {nbytes / 1e6 / load_s:.1f} MB/s; "
+              f"peak RSS {peak / 2**20:.0f} MiB (process tree), largest process {LARGEST[0] / 2**20:.0f} MiB")
+    finally:
+        for p in (db, Path(str(db) + ".wal")):
+            if p.exists():
+                p.unlink()
 
 
 def main() -> None:
@@ -105,6 +142,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--folder", type=Path, help="ingest this folder (built by an earlier --keep run) instead of building one")
+    ap.add_argument("--fraction", type=float, default=0.25,
+                    help="also ingest this share of the copies on its own, to compare peak RSS (0: skip)")
     args = ap.parse_args()
     data_root = REPO / "bench" / "data"
     data_root.mkdir(parents=True, exist_ok=True)
@@ -142,7 +181,7 @@ def main() -> None:
         print(f"load avg {os.getloadavg()[0]:.1f}; forensics ingest, whole command: {wall:.2f} s, {nbytes / 1e6 / wall:.1f} MB/s; "
               f"of which the ingest itself (walk, parse, load: `seconds` of --json) {load_s:.2f} s, {nbytes / 1e6 / load_s:.1f} MB/s; "
               f"the rest is start-up and the diagnosis headline")
-        print(f"peak RSS {peak / 2**20:.0f} MiB (process tree), "
+        print(f"peak RSS {peak / 2**20:.0f} MiB (process tree), largest process {LARGEST[0] / 2**20:.0f} MiB; "
               f"{lines_db:,} rows in lines; files.lines {files_lines:,}; physical lines {physical:,} "
               f"({'accounting OK' if lines_db == files_lines == physical else 'ACCOUNTING MISMATCH'})")
         grep = ["grep", "-rcE", "|".join(GREP_PATTERNS), str(folder)]
@@ -151,6 +190,8 @@ def main() -> None:
         g = time.perf_counter() - t0
         print(f"grep -rcE floor: {g:.2f} s, {nbytes / 1e6 / g:.1f} MB/s; forensics/grep time ratio {wall / g:.1f}x")
         print(f"database size {db.stat().st_size / 1e6:.0f} MB")
+        if 0 < args.fraction < 1:
+            smaller_run(folder, args.fraction, args.workers)
     finally:
         if not args.keep:
             if not args.folder:
