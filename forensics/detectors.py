@@ -87,12 +87,6 @@ class Series:
         s.steps, s.values, s.lines, s.ts = steps, values, lines, ts
         return s
 
-    def index_of(self, step: int) -> int | None:
-        """Position of ``step`` in this series, or None."""
-        if not hasattr(self, "_index"):
-            self._index = {st: i for i, st in enumerate(self.steps)}
-        return self._index.get(step)
-
     def alarm(self, cls: str, detector: str, i: int, detail: str) -> Alarm:
         return Alarm(cls=cls, detector=detector, step=self.steps[i], key=self.key, value=self.values[i],
                      file_id=self.file_id, line_no=self.lines[i], path=self.path, source=self.source,
