@@ -50,7 +50,6 @@ from forensics.store import ddl
 from parsers.kineto import TRACE_EVENTS, GPU_CATEGORIES, rank_from_name
 t_import = time.perf_counter() - t0
 
-SEP = b"\n  },\n  {"
 ARGS_STRUCT = json.dumps({"External id": "BIGINT", "correlation": "BIGINT", "device": "INTEGER",
                           "stream": "BIGINT", "Collective name": "VARCHAR", "In msg nelems": "BIGINT",
                           "Out msg nelems": "BIGINT", "dtype": "VARCHAR", "Group size": "INTEGER",
