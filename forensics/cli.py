@@ -299,6 +299,9 @@ def report(
     except duckdb.IOException as exc:  # locked or unreadable database
         _fail(f"cannot read {db}: {exc}")
         return
+    except SettingError as exc:
+        _fail(str(exc))
+        return
     except OSError as exc:  # cannot write the output
         _fail(f"cannot write {output}: {exc}")
         return

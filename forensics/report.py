@@ -39,6 +39,7 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
+from .store import set_memory_limit
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
@@ -747,8 +748,9 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
     if not os.path.exists(db):
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
     con = duckdb.connect(str(db), read_only=True)
-    con.execute("SET enable_progress_bar = false").fetchall()
     try:
+        con.execute("SET enable_progress_bar = false").fetchall()
+        set_memory_limit(con)  # DuckDB would cache up to 80% of RAM
         return write_report_con(con, out, title or f"forensics post-mortem: {Path(db).name}")
     finally:
         con.close()

@@ -267,10 +267,16 @@ def test_detectors_by_chunks_of_files_find_the_same_alarms(tmp_path, monkeypatch
     assert any(row[-1] for row in whole), "the copy of the console log corroborates the alarm"
 
 
-def test_diagnose_names_a_bad_memory_setting(tmp_path, monkeypatch):
+@pytest.mark.parametrize("command", [["diagnose"], ["report", "-o", "r.html"]])
+def test_a_bad_memory_setting_is_named(tmp_path, monkeypatch, command):
+    """The diagnosis and the report read FORENSICS_DB_MEMORY as ingest does."""
     db = str(tmp_path / "m.duckdb")
     pipeline.ingest([str(FIXTURES / "diag_divergence_console")], db, workers=1)
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FORENSICS_DB_MEMORY", "lots")
-    res = CliRunner().invoke(app, ["diagnose", "--db", db])
-    assert res.exit_code == 2
+    res = CliRunner().invoke(app, [*command, "--db", db])
+    assert res.exit_code == 2, res.output
     assert "FORENSICS_DB_MEMORY='lots'" in res.output
+    assert not (tmp_path / "r.html").exists()
+    monkeypatch.setenv("FORENSICS_DB_MEMORY", "256MB")
+    assert CliRunner().invoke(app, [*command, "--db", db]).exit_code == 0
