@@ -280,3 +280,23 @@ def test_a_bad_memory_setting_is_named(tmp_path, monkeypatch, command):
     assert not (tmp_path / "r.html").exists()
     monkeypatch.setenv("FORENSICS_DB_MEMORY", "256MB")
     assert CliRunner().invoke(app, [*command, "--db", db]).exit_code == 0
+
+
+def test_node_of_a_pid_breaks_ties_by_name(tmp_path):
+    """A pid seen on two nodes equally often gets the same node on every run (the
+    first by name), not whichever row a parallel query returned first."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "a_driver.log").write_text("(WorkerDict pid=4242, ip=10.0.0.9) starting\n(WorkerDict pid=4242, ip=10.0.0.9) step\n")
+    (run / "b_driver.log").write_text("(WorkerDict pid=4242, ip=10.0.0.1) starting\n(WorkerDict pid=4242, ip=10.0.0.1) step\n")
+    db = str(tmp_path / "n.duckdb")
+    pipeline.ingest([str(run)], db, workers=1)
+    cat = sig.load()
+    con = duckdb.connect(db, read_only=True)
+    try:
+        dg.ensure_views(con)
+        dg.match(con, cat.rules, cat.rank_zero_prints)
+        assert set(con.execute("SELECT DISTINCT node FROM lines WHERE pid = 4242").fetchall()) == {("10.0.0.9",), ("10.0.0.1",)}
+        assert dg.RunFacts(con, cat).pid_node[4242] == "10.0.0.1"
+    finally:
+        con.close()
