@@ -33,7 +33,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
-import duckdb
 import polars as pl
 import pyarrow as pa
 
@@ -41,7 +40,7 @@ import parsers
 from parsers.base import FileContext
 
 from . import detect as det
-from .store import FILES, PROBLEMS, SettingError, Store, set_memory_limit, write_part
+from .store import FILES, PROBLEMS, SettingError, Store, apply_setting, set_memory_limit, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
@@ -631,7 +630,6 @@ def ingest(
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
     settings = [
-        # (the memory limit: store.set_memory_limit, below)
         # one writer thread: the parser processes need the cores, and DuckDB writes each
         # insert as full row groups instead of one partial group per thread (measured on
         # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
@@ -641,15 +639,12 @@ def ingest(
     ]
     store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
     try:
-        try:
-            set_memory_limit(store.con)
-        except SettingError as exc:
-            raise IngestError(str(exc)) from None
+        set_memory_limit(store.con)
         for key, env, value in settings:
-            try:
-                store.con.execute(f"SET {key} = ?", [value])
-            except duckdb.Error as exc:
-                raise IngestError(f"{env}={value!r} is not a value DuckDB takes for {key}: {exc}") from None
+            apply_setting(store.con, key, env, value)
+    except SettingError as exc:
+        store.close()
+        raise IngestError(str(exc)) from None
     except BaseException:
         store.close()
         raise

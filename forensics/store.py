@@ -40,13 +40,18 @@ class SettingError(ValueError):
     """An environment setting that DuckDB does not take."""
 
 
+def apply_setting(con: duckdb.DuckDBPyConnection, key: str, env: str, value) -> None:
+    """``SET key = value`` on ``con``; a value DuckDB refuses raises :class:`SettingError`
+    naming the environment variable ``env`` it came from."""
+    try:
+        con.execute(f"SET {key} = ?", [value])
+    except duckdb.Error as exc:
+        raise SettingError(f"{env}={value!r} is not a value DuckDB takes for {key}: {exc}") from None
+
+
 def set_memory_limit(con: duckdb.DuckDBPyConnection) -> None:
     """Apply ``FORENSICS_DB_MEMORY`` (default :data:`DB_MEMORY`) to ``con``."""
-    value = os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY)
-    try:
-        con.execute("SET memory_limit = ?", [value])
-    except duckdb.Error as exc:
-        raise SettingError(f"FORENSICS_DB_MEMORY={value!r} is not a value DuckDB takes for memory_limit: {exc}") from None
+    apply_setting(con, "memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY))
 
 FILES = Table(
     "files",
