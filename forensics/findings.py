@@ -16,17 +16,15 @@ from typing import Any
 
 import duckdb
 import polars as pl
-import yaml
-
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
 
 from . import phases as ph
+from .signatures import load_yaml
 
 FINDINGS_YAML = ph.SIGNATURES / "findings.yaml"
 
 
 def load_thresholds(path: str | Path = FINDINGS_YAML) -> dict[str, dict[str, Any]]:
-    doc = yaml.load(Path(path).read_text(), Loader=_YAML_LOADER) or {}
+    doc = load_yaml(Path(path).read_text()) or {}
     needed = ("straggler", "slow_weight_sync", "rollout_long_tail", "step_time_jump")
     missing = [k for k in needed if not isinstance(doc.get(k), dict)]
     if missing:

@@ -20,9 +20,8 @@ from typing import Any, Iterator
 
 import duckdb
 import polars as pl
-import yaml
 
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
+from .signatures import load_yaml
 
 SIGNATURES = Path(__file__).resolve().parent.parent / "signatures"
 PHASES_YAML = SIGNATURES / "phases.yaml"
@@ -39,7 +38,7 @@ class PhaseRulesError(ValueError):
 def load_rules(path: str | Path = PHASES_YAML) -> tuple[list[dict[str, Any]], dict[str, str], str]:
     """Read the YAML file: (rule rows, settings, sha256 of the file)."""
     raw = Path(path).read_bytes()
-    doc = yaml.load(raw, Loader=_YAML_LOADER) or {}
+    doc = load_yaml(raw) or {}
     rules_in = doc.get("rules")
     if not isinstance(rules_in, list) or not rules_in:
         raise PhaseRulesError(f"{path}: `rules` must be a non-empty list")

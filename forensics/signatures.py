@@ -47,6 +47,13 @@ import yaml
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
 
+
+def load_yaml(text: str | bytes) -> Any:
+    """``yaml.safe_load``, with libyaml's parser when PyYAML was built with it (the
+    rule, phase and finding files are read on every diagnosis)."""
+    return yaml.load(text, Loader=_YAML_LOADER)
+
+
 ROLES = {
     "cause": "a concrete root cause (OOM, crash, hardware fault, network error, data error, ...)",
     "fallback": "a failure that is the root cause only when no concrete cause is visible (watchdog timeout, actor death, generic exception)",
@@ -217,7 +224,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
         for f in files:
             sources.append(str(f))
             try:
-                doc = yaml.load(f.read_text(encoding="utf-8"), Loader=_YAML_LOADER)
+                doc = load_yaml(f.read_text(encoding="utf-8"))
             except yaml.YAMLError as exc:
                 raise SignatureError(f"{f}: not valid YAML: {exc}") from None
             if not isinstance(doc, dict) or not set(doc) & SECTIONS or _foreign_rules(doc):
