@@ -27,7 +27,7 @@ import time
 import traceback
 import zipfile
 import zlib
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,10 +37,10 @@ import polars as pl
 import pyarrow as pa
 
 import parsers
-from parsers.base import FileContext
+from parsers.base import FileContext, JsonArrayRows
 
 from . import detect as det
-from .store import FILES, PROBLEMS, SettingError, Store, apply_setting, set_memory_limit, write_part
+from .store import FILES, PROBLEMS, JsonRowsRefused, SettingError, Store, apply_setting, set_memory_limit, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
 HASH_BLOCK = 1 << 20
@@ -67,6 +67,7 @@ class FileTask:
     start_offset: int = 0
     replace_from_line: int | None = None  # None: full (re)load
     is_new: bool = True  # no rows of this file_id in the database yet
+    direct: bool = False  # parsed in a thread of the ingest, its rows handed to DuckDB's JSON reader
 
 
 @dataclass
@@ -83,6 +84,7 @@ class FileResult:
     debug: str | None = None
     bytes_read: int | None = None  # bytes of the file read (and hashed); None: the planned size
     unreadable: str | None = None  # the file could not be opened when it was to be parsed
+    handed: list = field(default_factory=list)  # JsonArrayRows the parser left for the store to read
 
 
 @dataclass
@@ -336,9 +338,10 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
     ctx = FileContext(
         file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
         start_line=task.start_line, start_offset=task.start_offset,
-        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor,
+        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor, scratch=spool if task.direct else None,
     )
     parts: dict[str, list[str]] = {}
+    handed: list[JsonArrayRows] = []
     hasher = hashlib.sha256()
     try:
         raw = open(task.abs_path, "rb")
@@ -363,7 +366,7 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
                     ctx.start_line, ctx.start_offset = 1, 0
             inner = det.gzip.GzipFile(fileobj=reader, mode="rb") if d.compressed else reader
             stream = _ReadGuard(inner, ctx)
-            _spool(parse(stream, ctx), spool, f"{task.file_id}", parts)
+            _spool(parse(stream, ctx), spool, f"{task.file_id}", parts, handed)
             # read what the parser left, so the hash covers the whole file
             while reader.read(HASH_BLOCK):
                 pass
@@ -382,16 +385,25 @@ def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
         {"file_id": task.file_id, "line_no": p.line_no, "kind": p.kind, "message": p.message}
         for p in ctx.problems
     ]
+    if error:
+        _drop_handed(handed)
+        handed = []
     return FileResult(task, parts, problems, ctx.lines, ctx.unparsed_lines, ctx.truncated, sha, ends_nl, error, dbg,
-                      bytes_read=reader.count)
+                      bytes_read=reader.count, handed=handed)
 
 
-def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]]) -> None:
-    """Write each (table, frame) a parser yields as an Arrow IPC part under ``spool``."""
+def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]], handed: list | None = None) -> None:
+    """Write each (table, frame) a parser yields as an Arrow IPC part under ``spool``;
+    rows handed over as :class:`JsonArrayRows` go to ``handed``."""
     from .store import all_tables
 
     tables = {t.name: t for t in all_tables()}
     for name, frame in frames:
+        if isinstance(frame, JsonArrayRows):
+            if handed is None:
+                raise TypeError(f"{name}: rows handed over as JSON where no scratch folder was given")
+            handed.append(frame)
+            continue
         table = tables.get(name)
         if table is None:
             raise KeyError(f"parser produced rows for unknown table {name!r}")
@@ -406,12 +418,69 @@ def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]]) -> None
         parts.setdefault(name, []).append(path)
 
 
+def _drop_handed(handed: list) -> None:
+    for h in handed:
+        for p in (h.array_path, h.lines_path):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
 @dataclass
 class JobResult:
-    """Parsed files and the parts holding their rows (shared when files were batched)."""
+    """Parsed files and the parts holding their rows (shared when files were batched).
+    ``cursor``: a direct file's rows read by DuckDB, ``json_rows`` of them, in that
+    cursor's open transaction (the ``files`` row goes in it too, then it commits)."""
 
     results: list[FileResult]
     parts: dict[str, list[str]]
+    cursor: object | None = None
+    json_rows: dict[str, int] = field(default_factory=dict)
+
+
+# Formats whose parser can hand its rows to DuckDB's JSON reader (env FORENSICS_DIRECT=0: never).
+DIRECT_FORMATS = ("kineto_trace",)
+
+
+def direct(task: FileTask) -> bool:
+    """Parse ``task`` in a thread of the ingest and let DuckDB read its rows (a new file only:
+    its rows go in a transaction of their own, with its ``files`` row)."""
+    return (task.detected.format in DIRECT_FORMATS and task.is_new and task.start_offset == 0
+            and os.environ.get("FORENSICS_DIRECT", "1") != "0")
+
+
+def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) -> JobResult:
+    """Parse a direct file (in a thread of the ingest) and insert the rows its parser handed
+    over on ``cur``, in a transaction left open for :func:`ingest`'s ``finish`` (the result's
+    ``cursor``). When DuckDB does not give exactly the rows the parser would (see
+    :meth:`Store.insert_json_rows`), the transaction is rolled back and the file parsed
+    the usual way, here. The caller closes ``cur`` when the result does not carry it."""
+    (task,) = job
+    task.direct = True
+    res = parse_one(task, spool, debug)
+    if not res.handed:  # the parser decoded it itself (cut off, unusual layout) or failed
+        return JobResult([res], _kept_parts([res]))
+    counts: dict[str, int] = {}
+    try:
+        cur.execute("BEGIN TRANSACTION")
+        for h in res.handed:
+            counts[h.table] = counts.get(h.table, 0) + store.insert_json_rows(h, cur)
+    except JsonRowsRefused as exc:
+        cur.execute("ROLLBACK")
+        _drop_handed(res.handed)
+        _drop_parts(res.parts)
+        task.direct = False
+        res = parse_one(task, spool, debug)
+        if debug:
+            res.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
+                                 "message": f"(--debug) DuckDB's JSON reader did not take it ({exc}); parsed the usual way"})
+        return JobResult([res], _kept_parts([res]))
+    except BaseException:
+        _drop_handed(res.handed)
+        raise  # the caller closes the cursor: its transaction rolls back
+    _drop_handed(res.handed)
+    return JobResult([res], _kept_parts([res]), cursor=cur, json_rows=counts)
 
 
 SMALL_FILE = 1 << 20  # text files up to this size are parsed in batches
@@ -489,6 +558,15 @@ def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult
     for name, paths in _kept_parts(singles).items():
         parts.setdefault(name, []).extend(paths)
     return JobResult(results + singles, parts)
+
+
+def _drop_parts(parts: dict[str, list[str]]) -> None:
+    for paths in parts.values():
+        for p in paths:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
 
 def _kept_parts(results: list[FileResult]) -> dict[str, list[str]]:
@@ -715,6 +793,9 @@ def ingest(
 
         def finish(job: JobResult) -> None:
             nonlocal done
+            if job.cursor is not None:
+                finish_direct(job)
+                return
             done += len(job.results)
             batch.ensure()
             file_rows, problem_rows = [], []
@@ -752,8 +833,33 @@ def ingest(
             if progress:
                 progress(done, total, job.results[-1].task.rel)
 
+        def finish_direct(job: JobResult) -> None:
+            """A direct file: its files row, meta rows and problems join its rows in the
+            cursor's transaction, which commits the file whole."""
+            nonlocal done
+            done += 1
+            cur = job.cursor
+            try:
+                (res,) = job.results
+                row, problem_rows = _load(store, res, summary, debug)
+                counts = store.insert_parts(job.parts, con=cur)
+                store.insert_rows(PROBLEMS, problem_rows, con=cur)
+                store.insert_rows(FILES, [row], con=cur)
+                cur.execute("COMMIT")
+            finally:
+                cur.close()  # rolls back what did not commit
+                _drop_parts(job.parts)
+            for name, n in [*counts.items(), *job.json_rows.items(), (PROBLEMS.name, len(problem_rows)), (FILES.name, 1)]:
+                summary.rows_added[name] = summary.rows_added.get(name, 0) + n
+            if progress:
+                progress(done, total, res.task.rel)
+
+        is_direct = [len(job) == 1 and direct(job[0]) for job in jobs]
+        direct_jobs = [job for job, d in zip(jobs, is_direct) if d]
+        jobs = [job for job, d in zip(jobs, is_direct) if not d]
         try:
-            _run_jobs(jobs, spool, workers, debug, finish, idle=store.finish_schema)
+            _run_jobs(jobs, spool, workers, debug, finish, idle=store.finish_schema, direct_jobs=direct_jobs,
+                      run_direct=lambda job, cur: run_direct(job, spool, debug, store, cur), cursor=store.con.cursor)
             batch.close()
             store.finish_schema()  # when there was nothing to parse
         except BaseException:
@@ -826,48 +932,94 @@ class _Batch:
 
 
 def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool, finish: Callable[[JobResult], None],
-              idle: Callable[[], None] = lambda: None) -> None:
-    """Parse ``jobs`` (in a process pool when there is more than one worker) and hand
-    each result to ``finish`` in the main process, the only database writer. ``idle``
+              idle: Callable[[], None] = lambda: None, direct_jobs: list[list[FileTask]] = (),
+              run_direct: Callable | None = None, cursor: Callable | None = None) -> None:
+    """Parse ``jobs`` (in a process pool when there is more than one worker and job) and
+    hand each result to ``finish`` in the main process, the only database writer. ``idle``
     is run once in the main process before the first ``finish``: in the pool case while
-    the first jobs are being parsed."""
-    if workers <= 1 or len(jobs) <= 1:
+    the first jobs are being parsed.
+
+    ``direct_jobs`` are run by ``run_direct(job, cursor())`` in up to ``workers`` threads of
+    this process, side by side: DuckDB reads their rows itself, each on a cursor of its
+    own (made here, in the main thread), and only the commit is left to ``finish``. Jobs
+    that would have run in this process run in those threads too."""
+    direct_jobs = list(direct_jobs)
+    use_pool = workers > 1 and len(jobs) > 1
+    if not direct_jobs and not use_pool:
         idle()
         for job in jobs:
             finish(parse_job(job, spool, debug))
         return
-    # forkserver, not fork: a process that already ran polars (a notebook, a test run)
-    # has its thread pool, and a forked copy of it can deadlock in the first query
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["forensics.pipeline"])
-    # the parsers watch the read end: it reaches end-of-file when this process is gone
-    alive_r, alive_w = ctx.Pipe(duplex=False)
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r,))
+    pool = threads = None
+    in_flight: dict[Future, object] = {}  # future -> the cursor it uses (None: a parse job)
+    queues = [(iter(direct_jobs), "direct", max(1, min(workers, len(direct_jobs)))),
+              (iter(jobs), "pool" if use_pool else "thread", workers * 2 if use_pool else 1)]
+    kinds: dict[Future, str] = {}
+
+    def submit(kind: str) -> None:
+        it, limit = next((q[0], q[2]) for q in queues if q[1] == kind)
+        if sum(1 for k in kinds.values() if k == kind) >= limit:
+            return
+        job = next(it, None)
+        if job is None:
+            return
+        if kind == "direct":
+            cur = cursor()
+            fut = threads.submit(run_direct, job, cur)
+            in_flight[fut] = cur
+        elif kind == "pool":
+            fut = pool.submit(parse_job, job, spool, debug)
+        else:
+            fut = threads.submit(parse_job, job, spool, debug)
+        kinds[fut] = kind
+
+    alive_r = alive_w = None
     try:
-        pending: set[Future] = set()
-        it = iter(jobs)
-        # keep a bounded number of parsed-but-not-loaded jobs in flight
-        for job in it:
-            pending.add(pool.submit(parse_job, job, spool, debug))
-            if len(pending) >= workers * 2:
-                break
+        if direct_jobs or not use_pool:
+            threads = ThreadPoolExecutor(max_workers=max(1, min(workers, len(direct_jobs))) + (0 if use_pool else 1),
+                                         thread_name_prefix="forensics-parse")
+        if use_pool:
+            # forkserver, not fork: a process that already ran polars (a notebook, a test run)
+            # has its thread pool, and a forked copy of it can deadlock in the first query
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(["forensics.pipeline"])
+            # the parsers watch the read end: it reaches end-of-file when this process is gone
+            alive_r, alive_w = ctx.Pipe(duplex=False)
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r,))
+        for _, kind, limit in queues:
+            for _ in range(limit):
+                submit(kind)
         idle()
-        while pending:
-            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+        while kinds:
+            finished, _ = wait(list(kinds), return_when=FIRST_COMPLETED)
             for fut in finished:
-                finish(fut.result())
-                nxt = next(it, None)
-                if nxt is not None:
-                    pending.add(pool.submit(parse_job, nxt, spool, debug))
+                kind = kinds.pop(fut)
+                cur = in_flight.pop(fut, None)
+                try:
+                    job = fut.result()
+                finally:
+                    if cur is not None and (fut.exception() is not None or fut.result().cursor is None):
+                        cur.close()
+                finish(job)  # closes a direct job's cursor
+                submit(kind)
     except BaseException:
-        # interrupted or failed: drop the jobs not started; the running ones end soon
-        pool.shutdown(wait=True, cancel_futures=True)
+        # interrupted or failed: stop DuckDB's reads, drop the jobs not started; the running ones end soon
+        for cur in in_flight.values():
+            cur.interrupt()
+        for executor in (pool, threads):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+        for cur in in_flight.values():  # their open transactions roll back
+            cur.close()
         raise
     else:
-        pool.shutdown(wait=True)
+        for executor in (pool, threads):
+            if executor is not None:
+                executor.shutdown(wait=True)
     finally:
-        alive_r.close()
-        alive_w.close()
+        for end in (alive_r, alive_w):
+            if end is not None:
+                end.close()
 
 
 def _worker_init(ingest_alive) -> None:

@@ -14,6 +14,8 @@ of a file whose note was left by an interrupted one (:meth:`Store.drop_unfinishe
 from __future__ import annotations
 
 import os
+import shutil
+import threading
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,7 +25,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 import parsers
-from parsers.base import FILE_ID, LINE_NO, Table, col
+from parsers.base import FILE_ID, JsonArrayRows, LINE_NO, Table, col
 
 SCHEMA_VERSION = 1
 
@@ -162,6 +164,15 @@ def quiet_progress_bar(con: duckdb.DuckDBPyConnection) -> None:
             raise
 
 
+class JsonRowsRefused(Exception):
+    """DuckDB's JSON reader did not give exactly the rows the parser would have (a value
+    of an unexpected type, an element it cannot read, a different count): the file is
+    to be parsed the usual way."""
+
+
+REFUSED_MARK = "forensics: an element the parser reads differently"
+
+
 class StoreError(RuntimeError):
     """The database cannot be opened (not a DuckDB file, unwritable folder, damaged file);
     the message says why, in words."""
@@ -182,12 +193,57 @@ class KnownFile:
     format: str
 
 
+def template_path() -> str:
+    """Where the empty database of this schema is kept (env FORENSICS_CACHE: the folder;
+    default ``$XDG_CACHE_HOME/forensics``, else ``~/.cache/forensics``)."""
+    folder = os.environ.get("FORENSICS_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "forensics")
+    return os.path.join(folder, f"empty-{_schema_fingerprint()[:20]}-duckdb{duckdb.__version__}.duckdb")
+
+
+def _start_from_template(path: str) -> None:
+    """Make the new database ``path`` a copy of an empty database with every table and
+    view of this schema, built once per schema and DuckDB version in :func:`template_path`.
+
+    Binding the analysis views costs about 1.3 s of CPU for each database they are
+    created in (DuckDB binds a view, and every view under it, at CREATE VIEW), while
+    opening a database that has them costs nothing: a copy skips that cost. When the
+    cache cannot be written or read (read-only home, disk full), the database is made
+    the usual way: that only costs the time."""
+    template = template_path()
+    try:
+        if not os.path.exists(template):
+            os.makedirs(os.path.dirname(template), exist_ok=True)
+            building = f"{template}.{os.getpid()}.{threading.get_ident()}.tmp"
+            try:
+                Store(building, _template=False).close()
+                os.replace(building, template)  # atomic: readers see a whole file or none
+            finally:
+                for leftover in (building, building + ".wal"):
+                    if os.path.exists(leftover):
+                        os.unlink(leftover)
+        copying = path + ".forensics-new"
+        try:
+            shutil.copyfile(template, copying)
+            os.replace(copying, path)
+        finally:
+            if os.path.exists(copying):
+                os.unlink(copying)
+    except (OSError, StoreError):
+        pass  # see the docstring: the database is then made the usual way
+
+
 class Store:
-    def __init__(self, path: str | os.PathLike, read_only: bool = False, defer_views: bool = False):
+    def __init__(self, path: str | os.PathLike, read_only: bool = False, defer_views: bool = False,
+                 _template: bool = True):
         """``defer_views``: create missing tables now but the analysis views only at
         :meth:`finish_schema` (binding them costs about a second of CPU, which ingest
-        spends while the parser processes start)."""
+        spends while the parser processes start). A new database file starts as a copy
+        of an empty one that has them (:func:`_start_from_template`)."""
         self.path = str(path)
+        if _template and not read_only and self.path != ":memory:" and not self.path.startswith(":memory:") \
+                and not os.path.exists(self.path):
+            _start_from_template(self.path)
         try:
             self.con = duckdb.connect(self.path, read_only=read_only)
         except duckdb.IOException as exc:
@@ -315,9 +371,10 @@ class Store:
                 raise
         return sorted(notes.values())
 
-    def insert_parts(self, parts: dict[str, list[str]]) -> dict[str, int]:
-        """Insert spooled Arrow IPC parts; return rows added per table."""
-        con = self.con
+    def insert_parts(self, parts: dict[str, list[str]], con: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:
+        """Insert spooled Arrow IPC parts (on ``con``, a cursor of this store, else its
+        connection); return rows added per table."""
+        con = con or self.con
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
         for name, paths in parts.items():
@@ -332,12 +389,32 @@ class Store:
                 counts[name] = counts.get(name, 0) + arrow.num_rows
         return counts
 
-    def insert_rows(self, table: Table, rows: list[dict]) -> None:
+    def insert_rows(self, table: Table, rows: list[dict], con: duckdb.DuckDBPyConnection | None = None) -> None:
         if not rows:
             return
-        self.con.register("_rows", pa.Table.from_pylist(rows, schema=table.arrow_schema))
-        self.con.execute(f'INSERT INTO "{table.name}" SELECT * FROM _rows')
-        self.con.unregister("_rows")
+        con = con or self.con
+        con.register("_rows", pa.Table.from_pylist(rows, schema=table.arrow_schema))
+        con.execute(f'INSERT INTO "{table.name}" SELECT * FROM _rows')
+        con.unregister("_rows")
+
+    def insert_json_rows(self, handed: JsonArrayRows, con: duckdb.DuckDBPyConnection) -> int:
+        """Insert the rows a parser handed over as JSON (see :class:`parsers.base.JsonArrayRows`)
+        in ``con``'s open transaction and return how many there are. Raises
+        :class:`JsonRowsRefused` when a row is not ``ok`` or their number is not the
+        parser's count; the caller then rolls back and has the file parsed the usual way."""
+        table = {t.name: t for t in all_tables()}.get(handed.table)
+        if table is None:
+            raise KeyError(f"parser produced rows for unknown table {handed.table!r}")
+        cols = ", ".join(f'"{c.name}"' for c in table.columns)
+        try:
+            (n,) = con.execute(
+                f'INSERT INTO "{table.name}" SELECT {cols} FROM ({handed.select}) '
+                f"WHERE CASE WHEN ok THEN true ELSE error('{REFUSED_MARK}') END").fetchone()
+        except duckdb.Error as exc:
+            raise JsonRowsRefused(str(exc).split("\n")[0]) from None
+        if n != handed.rows:
+            raise JsonRowsRefused(f"{n} row(s) read where the parser found {handed.rows} element(s)")
+        return int(n)
 
     def record_skipped(self, file_row: dict) -> None:
         """Record a file that was not parsed (call inside a transaction)."""

@@ -5,6 +5,12 @@ where ``stream`` is a binary file object and ``frame`` is a polars DataFrame or 
 Arrow table / record batch whose columns follow the :class:`Table` the parser
 declares. Parsers know nothing of DuckDB; ``forensics.store`` loads what they yield.
 
+A parser may also hand over rows it has not decoded: :class:`JsonArrayRows` names a
+JSON array it copied to a file of its own and the SELECT (text, for the store to run
+with DuckDB's JSON reader) that turns its elements into rows. The parser still knows
+nothing of a database: it writes files and text; the store runs the query, checks
+that every element became a row, and otherwise has the file parsed again the usual way.
+
 Problems with the input (bad encoding, truncation, corrupt records) are reported
 through :meth:`FileContext.problem`, never by raising, so one bad file cannot stop
 an ingest. A parser raises only for bugs; the pipeline turns those into a per-file
@@ -91,6 +97,24 @@ FILE_ID = col("file_id", pa.int32(), "Source file (join `files.file_id`).")
 LINE_NO = col("line_no", pa.int64(), "1-based physical line number in the source file (`\\n`-terminated lines, as `grep -n` counts them); for structured files the line where the record starts, or null.")
 
 
+@dataclass(frozen=True)
+class JsonArrayRows:
+    """Rows of ``table`` left for the store to read with DuckDB's JSON reader.
+
+    ``select`` is a SELECT over ``read_json(array_path)`` and ``read_parquet(lines_path)``
+    that yields the table's columns in order and then a BOOLEAN column ``ok``: false for
+    an element that the parser itself would have read differently (a field of an
+    unexpected type, ...). The store inserts the rows that are ``ok`` and keeps them
+    only when they are exactly ``rows`` (the elements the parser counted); otherwise the
+    file is parsed again without a scratch folder."""
+
+    table: str
+    array_path: str
+    lines_path: str
+    rows: int
+    select: str
+
+
 @dataclass
 class Problem:
     message: str
@@ -112,6 +136,7 @@ class FileContext:
     pid: int | None = None  # process id hinted by the file name
     rank: int | None = None  # global rank hinted by the path
     actor: str | None = None  # Ray actor class / role hinted by the file
+    scratch: str | None = None  # a folder where the parser may leave JsonArrayRows files (None: it yields frames)
     problems: list[Problem] = field(default_factory=list)
     lines: int = 0  # physical lines seen (set by the parser)
     unparsed_lines: int = 0  # lines no line-format recognised (set by text parsers)
