@@ -1,7 +1,7 @@
 """Benchmark: PyTorch profiler trace ingest against Holistic Trace Analysis, same files, same run.
 
     python bench/bench_traces.py [--corpus ../shared/corpus] [--big-gb 2] [--no-big] [--hta-big] [--workers 0]
-                                 [--hta-python PYTHON] [--no-hta] [--keep]
+                                 [--hta-python PYTHON] [--no-hta] [--keep] [--repeat N] [--usual] [--cold]
 
 For each folder of real traces (``<corpus>/real/*/profiler/``) and for one large trace
 of about --big-gb GB that it builds by repeating the events of a real trace (under
@@ -18,6 +18,14 @@ subprocess in HTA's own virtualenv, bench/.venv-hta, created on first use):
 
 HTA is not run on the large trace unless --hta-big is given: it loads a whole trace into
 memory (several times the JSON size).
+
+``--repeat N`` runs each tool N times per folder (alternating) and prints every run, then
+the medians and their ratios. ``--usual`` also runs ``forensics ingest`` with
+``FORENSICS_DIRECT=0`` (every trace through forensics' own decoder instead of DuckDB's JSON
+reader). A new database starts as a copy of a cached empty one (``FORENSICS_CACHE``); the
+script makes that copy exist before it measures, as it does after any first ingest on a
+machine, and says how long that took; ``--cold`` gives every forensics run an empty cache
+instead, so that it pays for binding the analysis views itself.
 """
 from __future__ import annotations
 
@@ -58,10 +66,10 @@ class Run:
     detail: dict
 
 
-def measure(cmd: list[str], cwd: Path | None = None) -> tuple[float, int, int, subprocess.CompletedProcess]:
+def measure(cmd: list[str], cwd: Path | None = None, env: dict | None = None) -> tuple[float, int, int, subprocess.CompletedProcess]:
     """Wall time and peak RSS of a command: (sum over its process tree, largest process)."""
     t0 = time.perf_counter()
-    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd)
+    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd, env=env)
     peak_tree = peak_single = 0
     while proc.poll() is None:
         try:
@@ -86,7 +94,7 @@ def ensure_hta() -> Path:
     return python
 
 
-def run_forensics(folder: Path, work: Path, workers: int) -> Run:
+def run_forensics(folder: Path, work: Path, workers: int, env: dict | None = None) -> Run:
     db = work / f"{folder.parent.name}-{folder.name}.duckdb"
     for p in (db, Path(f"{db}.wal")):
         if p.exists():
@@ -94,7 +102,13 @@ def run_forensics(folder: Path, work: Path, workers: int) -> Run:
     cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--json"]
     if workers:
         cmd += ["--workers", str(workers)]
-    wall, tree, single, proc = measure(cmd, cwd=REPO)
+    cache = None
+    if env is not None and env.get("FORENSICS_CACHE") == "cold":
+        cache = tempfile.mkdtemp(prefix="cold-cache-", dir=work)
+        env = {**env, "FORENSICS_CACHE": cache}
+    wall, tree, single, proc = measure(cmd, cwd=REPO, env=None if env is None else {**os.environ, **env})
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
     if proc.returncode != 0:
         raise SystemExit(f"forensics ingest failed:\n{proc.stderr.decode()[-3000:]}")
     summary = json.loads(proc.stdout)
@@ -152,18 +166,59 @@ def line(tool: str, run: Run, nbytes: int, events: int) -> str:
             f"largest process {run.peak_single / 2**20:6.0f} MiB")
 
 
-def compare(name: str, folder: Path, work: Path, hta: Path | None, workers: int) -> None:
+def median(runs: list[Run]) -> Run:
+    def mid(values):
+        return sorted(values)[len(values) // 2]
+    return Run(mid([r.wall for r in runs]), mid([r.load for r in runs]), mid([r.peak_tree for r in runs]),
+               mid([r.peak_single for r in runs]), runs[0].detail)
+
+
+def compare(name: str, folder: Path, work: Path, hta: Path | None, workers: int, repeat: int = 1,
+            ours_env: dict | None = None, usual: bool = False) -> None:
     nbytes, events = trace_stats(folder)
     print(f"\n{name}: {len(list(folder.iterdir()))} trace(s), {nbytes / 1e6:.0f} MB of JSON, {events:,} events", flush=True)
-    ours = run_forensics(folder, work, workers)
-    rows = ours.detail["rows_added"].get("trace_events", 0)
-    print(line("forensics", ours, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'})", flush=True)
-    if hta is None:
+    ours_runs, usual_runs, hta_runs = [], [], []
+    for _ in range(repeat):
+        ours = run_forensics(folder, work, workers, ours_env)
+        rows = ours.detail["rows_added"].get("trace_events", 0)
+        print(line("forensics", ours, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'})", flush=True)
+        ours_runs.append(ours)
+        if usual:
+            run = run_forensics(folder, work, workers, {**(ours_env or {}), "FORENSICS_DIRECT": "0"})
+            rows = run.detail["rows_added"].get("trace_events", 0)
+            print(line("(decoder)", run, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'}; FORENSICS_DIRECT=0)", flush=True)
+            usual_runs.append(run)
+        if hta is not None:
+            theirs = run_hta(hta, folder)
+            print(line("HTA", theirs, nbytes, events) + f"  ({theirs.detail['rows']:,} rows kept by HTA)", flush=True)
+            hta_runs.append(theirs)
+    ours = median(ours_runs)
+    if repeat > 1:
+        print(line("forensics", ours, nbytes, events).replace("[load avg", "[median   ").replace("]", "", 1)
+              + f"  (median of {repeat})", flush=True)
+    if hta_runs:
+        theirs = median(hta_runs)
+        if repeat > 1:
+            print(line("HTA", theirs, nbytes, events).replace("[load avg", "[median   ").replace("]", "", 1)
+                  + f"  (median of {repeat})", flush=True)
+        print(f"  HTA / forensics{' (medians)' if repeat > 1 else ''}: wall {theirs.wall / ours.wall:.1f}x, "
+              f"load {theirs.load / ours.load:.1f}x, peak RSS tree {theirs.peak_tree / ours.peak_tree:.1f}x, "
+              f"largest process {theirs.peak_single / ours.peak_single:.1f}x; forensics / HTA peak RSS tree "
+              f"{ours.peak_tree / theirs.peak_tree:.2f}, largest process {ours.peak_single / theirs.peak_single:.2f}", flush=True)
+
+
+def warm_template() -> None:
+    """Make the cached empty database exist (see the module docstring), saying how long it took."""
+    sys.path.insert(0, str(REPO))
+    from forensics.store import Store, template_path
+
+    if os.path.exists(template_path()):
+        print(f"cached empty database: {template_path()}")
         return
-    theirs = run_hta(hta, folder)
-    print(line("HTA", theirs, nbytes, events) + f"  ({theirs.detail['rows']:,} rows kept by HTA)", flush=True)
-    print(f"  HTA / forensics: wall {theirs.wall / ours.wall:.1f}x, load {theirs.load / ours.load:.1f}x, "
-          f"peak RSS tree {theirs.peak_tree / ours.peak_tree:.1f}x, largest process {theirs.peak_single / ours.peak_single:.1f}x", flush=True)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        Store(os.path.join(tmp, "warm.duckdb")).close()
+    print(f"cached empty database built in {time.perf_counter() - t0:.2f} s: {template_path()}")
 
 
 def main() -> None:
@@ -176,18 +231,24 @@ def main() -> None:
     ap.add_argument("--hta-python", type=Path, help="a Python that has HolisticTraceAnalysis (default: bench/.venv-hta, made on first use)")
     ap.add_argument("--workers", type=int, default=0, help="forensics ingest --workers (0: one per core)")
     ap.add_argument("--keep", action="store_true", help="keep the large trace")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each tool per folder; medians are printed too")
+    ap.add_argument("--usual", action="store_true", help="also run forensics with FORENSICS_DIRECT=0 (its own decoder)")
+    ap.add_argument("--cold", action="store_true", help="every forensics run starts with an empty database cache")
     args = ap.parse_args()
     folders = sorted(p for p in args.corpus.glob("real/*/profiler") if p.is_dir())
     if not folders:
         raise SystemExit(f"no profiler traces under {args.corpus}/real/*/profiler")
     print(f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB memory, python {sys.version.split()[0]}")
     hta = None if args.no_hta else (args.hta_python or ensure_hta())
+    ours_env = {"FORENSICS_CACHE": "cold"} if args.cold else None
+    if not args.cold:
+        warm_template()
     data_root = REPO / "bench" / "data"
     data_root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="traces-", dir=data_root))
     try:
         for folder in folders:
-            compare(str(folder.relative_to(args.corpus)), folder, work, hta, args.workers)
+            compare(str(folder.relative_to(args.corpus)), folder, work, hta, args.workers, args.repeat, ours_env, args.usual)
         if not args.no_big:
             big = work / "big"
             big.mkdir()
@@ -195,7 +256,7 @@ def main() -> None:
             t0 = time.perf_counter()
             nbytes, events = build_big(source, big / "rank0.big.pt.trace.json", int(args.big_gb * 1e9))
             print(f"\nbuilt {nbytes / 1e9:.2f} GB trace with {events:,} events from {source.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-            ours = run_forensics(big, work, args.workers)
+            ours = run_forensics(big, work, args.workers, ours_env)
             rows = ours.detail["rows_added"].get("trace_events", 0)
             print(line("forensics", ours, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'})", flush=True)
             if hta is not None and args.hta_big:

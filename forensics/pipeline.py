@@ -102,6 +102,15 @@ class IngestSummary:
     seconds: float = 0.0
     db: str = ""
 
+    def add(self, other: "IngestSummary") -> None:
+        """Count what ``other`` (one file's accounting) counted, too."""
+        for mine, theirs in ((self.files_by_format, other.files_by_format), (self.rows_added, other.rows_added)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
+        for name in ("unparsed_lines", "files_seen", "files_loaded", "files_unchanged", "files_grown", "bytes_read"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.messages.extend(other.messages)
+
 
 # -- walking -----------------------------------------------------------------------
 
@@ -430,13 +439,11 @@ def _drop_handed(handed: list) -> None:
 @dataclass
 class JobResult:
     """Parsed files and the parts holding their rows (shared when files were batched).
-    ``cursor``: a direct file's rows read by DuckDB, ``json_rows`` of them, in that
-    cursor's open transaction (the ``files`` row goes in it too, then it commits)."""
+    ``loaded``: the accounting of a direct file that is in the database already."""
 
     results: list[FileResult]
     parts: dict[str, list[str]]
-    cursor: object | None = None
-    json_rows: dict[str, int] = field(default_factory=dict)
+    loaded: IngestSummary | None = None
 
 
 # Formats whose parser can hand its rows to DuckDB's JSON reader (env FORENSICS_DIRECT=0: never).
@@ -451,21 +458,21 @@ def direct(task: FileTask) -> bool:
 
 
 def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) -> JobResult:
-    """Parse a direct file (in a thread of the ingest) and insert the rows its parser handed
-    over on ``cur``, in a transaction left open for :func:`ingest`'s ``finish`` (the result's
-    ``cursor``). When DuckDB does not give exactly the rows the parser would (see
-    :meth:`Store.insert_json_rows`), the transaction is rolled back and the file parsed
-    the usual way, here. The caller closes ``cur`` when the result does not carry it."""
+    """Parse a direct file (in a thread of the ingest) and load it on ``cur``, a cursor of
+    ``store`` (which the caller closes): the rows its parser handed over, its other rows,
+    problems and ``files`` row, in one transaction. When DuckDB does not give exactly the
+    rows the parser would (see :meth:`Store.insert_json_rows`), the transaction is
+    rolled back and the file parsed the usual way, here, for ``finish`` to load."""
     (task,) = job
     task.direct = True
     res = parse_one(task, spool, debug)
     if not res.handed:  # the parser decoded it itself (cut off, unusual layout) or failed
         return JobResult([res], _kept_parts([res]))
-    counts: dict[str, int] = {}
+    loaded = IngestSummary()
     try:
         cur.execute("BEGIN TRANSACTION")
         for h in res.handed:
-            counts[h.table] = counts.get(h.table, 0) + store.insert_json_rows(h, cur)
+            loaded.rows_added[h.table] = loaded.rows_added.get(h.table, 0) + store.insert_json_rows(h, cur)
     except JsonRowsRefused as exc:
         cur.execute("ROLLBACK")
         _drop_handed(res.handed)
@@ -476,11 +483,20 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) 
             res.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
                                  "message": f"(--debug) DuckDB's JSON reader did not take it ({exc}); parsed the usual way"})
         return JobResult([res], _kept_parts([res]))
-    except BaseException:
+    finally:
         _drop_handed(res.handed)
-        raise  # the caller closes the cursor: its transaction rolls back
-    _drop_handed(res.handed)
-    return JobResult([res], _kept_parts([res]), cursor=cur, json_rows=counts)
+    try:
+        row, problem_rows = _load(store, res, loaded, debug)
+        for name, n in store.insert_parts(res.parts, con=cur).items():
+            loaded.rows_added[name] = loaded.rows_added.get(name, 0) + n
+        store.insert_rows(PROBLEMS, problem_rows, con=cur)
+        store.insert_rows(FILES, [row], con=cur)
+        cur.execute("COMMIT")
+    finally:
+        _drop_parts(res.parts)
+    for name, n in ((PROBLEMS.name, len(problem_rows)), (FILES.name, 1)):
+        loaded.rows_added[name] = loaded.rows_added.get(name, 0) + n
+    return JobResult([res], {}, loaded=loaded)
 
 
 SMALL_FILE = 1 << 20  # text files up to this size are parsed in batches
@@ -793,10 +809,12 @@ def ingest(
 
         def finish(job: JobResult) -> None:
             nonlocal done
-            if job.cursor is not None:
-                finish_direct(job)
-                return
             done += len(job.results)
+            if job.loaded is not None:  # a direct file, committed by its thread
+                summary.add(job.loaded)
+                if progress:
+                    progress(done, total, job.results[-1].task.rel)
+                return
             batch.ensure()
             file_rows, problem_rows = [], []
             for res in job.results:
@@ -832,27 +850,6 @@ def ingest(
                         pass
             if progress:
                 progress(done, total, job.results[-1].task.rel)
-
-        def finish_direct(job: JobResult) -> None:
-            """A direct file: its files row, meta rows and problems join its rows in the
-            cursor's transaction, which commits the file whole."""
-            nonlocal done
-            done += 1
-            cur = job.cursor
-            try:
-                (res,) = job.results
-                row, problem_rows = _load(store, res, summary, debug)
-                counts = store.insert_parts(job.parts, con=cur)
-                store.insert_rows(PROBLEMS, problem_rows, con=cur)
-                store.insert_rows(FILES, [row], con=cur)
-                cur.execute("COMMIT")
-            finally:
-                cur.close()  # rolls back what did not commit
-                _drop_parts(job.parts)
-            for name, n in [*counts.items(), *job.json_rows.items(), (PROBLEMS.name, len(problem_rows)), (FILES.name, 1)]:
-                summary.rows_added[name] = summary.rows_added.get(name, 0) + n
-            if progress:
-                progress(done, total, res.task.rel)
 
         is_direct = [len(job) == 1 and direct(job[0]) for job in jobs]
         direct_jobs = [job for job, d in zip(jobs, is_direct) if d]
@@ -940,9 +937,9 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
     the first jobs are being parsed.
 
     ``direct_jobs`` are run by ``run_direct(job, cursor())`` in up to ``workers`` threads of
-    this process, side by side: DuckDB reads their rows itself, each on a cursor of its
-    own (made here, in the main thread), and only the commit is left to ``finish``. Jobs
-    that would have run in this process run in those threads too."""
+    this process, side by side: they load their rows themselves, each on a cursor of its
+    own (made and closed here, in the main thread). Jobs that would have run in this
+    process run in those threads too."""
     direct_jobs = list(direct_jobs)
     use_pool = workers > 1 and len(jobs) > 1
     if not direct_jobs and not use_pool:
@@ -995,12 +992,9 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             for fut in finished:
                 kind = kinds.pop(fut)
                 cur = in_flight.pop(fut, None)
-                try:
-                    job = fut.result()
-                finally:
-                    if cur is not None and (fut.exception() is not None or fut.result().cursor is None):
-                        cur.close()
-                finish(job)  # closes a direct job's cursor
+                if cur is not None:
+                    cur.close()  # rolls back what its job did not commit (it failed)
+                finish(fut.result())
                 submit(kind)
     except BaseException:
         # interrupted or failed: stop DuckDB's reads, drop the jobs not started; the running ones end soon

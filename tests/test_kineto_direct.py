@@ -1,0 +1,287 @@
+"""Kineto traces loaded by DuckDB's JSON reader (the direct path of the ingest) give the
+same rows as the parser's own decoder, or are handed back to it."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from forensics import pipeline, store
+from forensics.store import JsonRowsRefused, Store
+
+from .conftest import FIXTURES
+
+TRACES = FIXTURES / "kineto"
+TINY = TRACES / "rank3.tiny.pt.trace.json"
+
+
+@pytest.fixture
+def outcomes(monkeypatch):
+    """What each direct load came to: 'loaded' or 'refused' (wraps Store.insert_json_rows)."""
+    seen: list[str] = []
+    lock = threading.Lock()
+    real = Store.insert_json_rows
+
+    def watched(self, handed, con):
+        try:
+            n = real(self, handed, con)
+        except JsonRowsRefused:
+            with lock:
+                seen.append("refused")
+            raise
+        with lock:
+            seen.append("loaded")
+        return n
+
+    monkeypatch.setattr(Store, "insert_json_rows", watched)
+    return seen
+
+
+def ingest_both(folder: Path, tmp_path: Path, monkeypatch, workers: int = 2) -> tuple[str, str]:
+    """The folder ingested with the direct path and without it: the two databases."""
+    dbs = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("FORENSICS_DIRECT", mode)
+        db = tmp_path / f"direct{mode}.duckdb"
+        pipeline.ingest([str(folder)], str(db), workers=workers)
+        dbs.append(str(db))
+    monkeypatch.delenv("FORENSICS_DIRECT")
+    return dbs[0], dbs[1]
+
+
+def differences(direct_db: str, usual_db: str) -> dict[str, int]:
+    """Rows that differ between the two databases, per table (``args`` compared as JSON
+    values: the direct path stores DuckDB's compact rendering)."""
+    con = duckdb.connect(direct_db, read_only=True)
+    con.execute(f"ATTACH '{usual_db}' AS u (READ_ONLY)")
+    cols = [c for (c,) in con.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE database_name = 'u' AND table_name = 'trace_events' "
+        "ORDER BY column_index").fetchall()]
+    same = " AND ".join(f"d.{c} IS NOT DISTINCT FROM u.{c}" for c in cols if c != "args")
+    out = {"trace_events": con.execute(
+        f"""SELECT count(*) FROM trace_events d FULL JOIN u.trace_events u ON d.file_id = u.file_id AND d.seq = u.seq
+            WHERE NOT ({same} AND json(d.args) IS NOT DISTINCT FROM json(u.args))""").fetchone()[0]}
+    for table, drop in (("trace_meta", ""), ("problems", ""), ("files", " EXCLUDE (ingested_at)")):
+        out[table] = con.execute(
+            f"SELECT count(*) FROM ((SELECT *{drop} FROM {table} EXCEPT ALL SELECT *{drop} FROM u.{table}) "
+            f"UNION ALL (SELECT *{drop} FROM u.{table} EXCEPT ALL SELECT *{drop} FROM {table}))").fetchone()[0]
+    con.close()
+    return out
+
+
+NO_DIFFERENCE = {"trace_events": 0, "trace_meta": 0, "problems": 0, "files": 0}
+
+
+def trace_with(events: list[dict] | None = None, *, text: bytes | None = None, name: str = "rank3.x.pt.trace.json",
+               folder: Path) -> Path:
+    """The tiny fixture trace with its events replaced (by ``events`` written the way
+    Kineto writes them, or by ``text`` as it is)."""
+    data = TINY.read_bytes()
+    start = data.index(b"[", data.index(b'"traceEvents"'))
+    end = data.rindex(b"]", 0, data.rindex(b'"traceName"'))
+    if events is not None:
+        text = b",\n  ".join(json.dumps(e).encode() for e in events)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_bytes(data[: start + 1] + b"\n  " + text + b"\n  " + data[end:])
+    return path
+
+
+def tiny_events() -> list[dict]:
+    return json.loads(TINY.read_bytes())["traceEvents"]
+
+
+def test_fixture_traces_load_directly_with_the_decoders_rows(tmp_path, monkeypatch, outcomes):
+    folder = tmp_path / "prof"
+    folder.mkdir()
+    for f in (TINY, TRACES / "prof_rank-2.json"):
+        shutil.copy(f, folder / f.name)
+    direct_db, usual_db = ingest_both(folder, tmp_path, monkeypatch)
+    assert outcomes == ["loaded", "loaded"]
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+    con = duckdb.connect(direct_db, read_only=True)
+    # old Kineto's "external id", epoch timestamps, GPU device/stream from pid/tid, line numbers
+    assert con.execute("SELECT count(*) FROM trace_events WHERE external_id IS NOT NULL AND rank = 2").fetchone()[0] == 2
+    assert con.execute("SELECT count(*) FROM trace_events WHERE line_no IS NULL").fetchone()[0] == 0
+    assert con.execute("SELECT sum(event_count) FROM trace_meta").fetchone()[0] == 15 + 3
+
+
+def test_the_switch_turns_the_direct_path_off(tmp_path, monkeypatch, outcomes):
+    monkeypatch.setenv("FORENSICS_DIRECT", "0")
+    pipeline.ingest([str(TINY)], str(tmp_path / "x.duckdb"), workers=1)
+    assert outcomes == []
+
+
+@pytest.mark.parametrize("layout, outcome", [
+    ("minified", "loaded"),
+    # events separated by `}, {`, which one event's name also holds: one start too many
+    ("one line", "refused"),
+    ("brackets after the events", "loaded"),
+])
+def test_other_layouts(layout, outcome, tmp_path, monkeypatch, outcomes):
+    folder = tmp_path / "prof"
+    folder.mkdir()
+    doc = json.loads(TINY.read_bytes())
+    if layout == "minified":
+        text = json.dumps(doc, separators=(",", ":"))
+    elif layout == "one line":
+        text = json.dumps(doc)
+    else:  # keys with `]` and `}` in them and in their values after the event array
+        doc["traceName"] = "/runs/a]b}/rank3.pt.trace.json"
+        doc["late"] = [1, {"x": "]}"}, []]
+        text = json.dumps(doc, indent=2)
+    (folder / "rank3.pt.trace.json").write_text(text)
+    direct_db, usual_db = ingest_both(folder, tmp_path, monkeypatch)
+    assert outcomes == [outcome]
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+
+
+FINE = {"ph": "X", "cat": "cpu_op", "name": "fine", "pid": 1, "tid": 2, "ts": 1.0, "dur": 2.0, "args": {"External id": 1}}
+
+
+@pytest.mark.parametrize("odd", [
+    {"ph": "X", "ts": "1.5"},  # a number as text
+    {"ph": "X", "dur": True},
+    {"ph": "X", "id": 1.0},  # a fraction for an integer
+    {"ph": "X", "id": 1e3},
+    {"ph": "X", "args": {"External id": 5.5}},
+    {"ph": "X", "args": {"External id": "5"}},
+    {"ph": "X", "args": {"device": 2 ** 31}},  # beyond 32 bits
+    {"ph": "X", "args": {"correlation": 2 ** 63}},  # beyond 64 bits
+    {"ph": "X", "args": {"Collective name": 5}},
+    {"ph": "X", "args": {"external id": 2.5}},
+    {"ph": "X", "args": [1]},
+    {"ph": "X", "name": 3},
+    {"ph": 1},
+    {"ph": "X", "pid": True},
+    {"ph": "X", "pid": 1.5},  # fine for the decoder, written as it writes it
+    {},  # nothing the reader reads: cannot be told from a missing row
+    {"s": "g"},
+])
+def test_a_field_of_another_type_goes_back_to_the_decoder(odd, tmp_path, monkeypatch, outcomes):
+    trace_with([FINE, odd, FINE], folder=tmp_path / "prof")
+    direct_db, usual_db = ingest_both(tmp_path / "prof", tmp_path, monkeypatch)
+    assert outcomes == ["refused"]
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+
+
+@pytest.mark.parametrize("text", [
+    b'{"ph": "X", "name": "a"},\n  null,\n  {"ph": "X", "name": "b"}',  # an element that is not an object
+    b'{"ph": "X", "name": "a"},\n  7,\n  {"ph": "X", "name": "b"}',
+    b'{"ph": "X", "name": "a"},{"ph": "X", "name": "b"},\n  {"ph": "X", "name": "c"}',  # separators that differ
+    b'{"ph": "X", "name": "a", "name": "b"}',  # a key twice
+    b'{"ph": "X", "name": "caf\xe9"}',  # not UTF-8
+    b'{"ph": "X", "ts": NaN, "name": "nan"},\n  {"ph": "X", "name": "b"}',
+])
+def test_what_the_reader_cannot_count_goes_back_to_the_decoder(text, tmp_path, monkeypatch, outcomes):
+    trace_with(text=text, folder=tmp_path / "prof")
+    direct_db, usual_db = ingest_both(tmp_path / "prof", tmp_path, monkeypatch)
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+    assert outcomes in (["refused"], ["loaded"])  # loaded only when the rows came out the same (NaN)
+
+
+def test_escapes_and_unicode_load_directly(tmp_path, monkeypatch, outcomes):
+    events = [FINE, {"ph": "X", "name": "naïve \"quoted\" \\ tab\t ✓", "cat": "user_annotation", "pid": "Spans",
+                     "tid": "PyTorch Profiler", "ts": 3.5, "args": {"note": "é", "Process Group Description": "dp ✓"}}]
+    path = trace_with(events, folder=tmp_path / "prof")
+    path.write_bytes(path.read_bytes().replace(b'"ph": "X", "name": "fine"', b'"\\u0070h": "X", "name": "fine"', 1))
+    direct_db, usual_db = ingest_both(tmp_path / "prof", tmp_path, monkeypatch)
+    assert outcomes == ["loaded"]
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.999])
+def test_a_trace_cut_off_goes_to_the_decoder_whole(cut, tmp_path, monkeypatch, outcomes):
+    data = TINY.read_bytes()
+    folder = tmp_path / "prof"
+    folder.mkdir()
+    (folder / "rank3.cut.pt.trace.json").write_bytes(data[: int(len(data) * cut)])
+    direct_db, usual_db = ingest_both(folder, tmp_path, monkeypatch)
+    assert outcomes == []  # the parser saw the cut itself and decoded the copy
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+    con = duckdb.connect(direct_db, read_only=True)
+    assert con.execute("SELECT truncated FROM files").fetchone()[0] is True
+    assert list(Path(tmp_path).glob("**/events-*")) == []
+
+
+def test_many_traces_and_text_files_together(tmp_path, monkeypatch, outcomes):
+    folder = tmp_path / "run"
+    (folder / "prof").mkdir(parents=True)
+    for i in range(5):
+        shutil.copy(TINY, folder / "prof" / f"rank{i}.{i}.pt.trace.json")
+    for i in range(3):
+        (folder / f"worker-{i}.log").write_text(f"INFO step {i}\nERROR something {i}\n")
+    direct_db, usual_db = ingest_both(folder, tmp_path, monkeypatch, workers=2)
+    assert outcomes == ["loaded"] * 5
+    assert differences(direct_db, usual_db) == NO_DIFFERENCE
+    con = duckdb.connect(direct_db, read_only=True)
+    assert con.execute("SELECT count(*), count(DISTINCT rank) FROM trace_events").fetchone() == (75, 1)
+    assert con.execute("SELECT count(*) FROM lines").fetchone()[0] == 6
+
+
+def test_a_parser_failure_on_the_direct_path_fails_only_that_file(tmp_path, monkeypatch):
+    from parsers import kineto
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("spool bug")
+
+    monkeypatch.setattr(kineto, "spool_events", broken)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copy(TINY, folder / TINY.name)
+    (folder / "app.log").write_text("hello\n")
+    summary = pipeline.ingest([str(folder)], str(tmp_path / "x.duckdb"), workers=1)
+    con = duckdb.connect(str(tmp_path / "x.duckdb"), read_only=True)
+    assert con.execute("SELECT path, status FROM files ORDER BY path").fetchall() == [
+        ("app.log", "ok"), (TINY.name, "error")]
+    assert any("spool bug" in m for m in summary.messages)
+
+
+def test_reingesting_a_changed_trace_replaces_its_rows(tmp_path, monkeypatch, outcomes):
+    folder = tmp_path / "prof"
+    path = trace_with(tiny_events(), folder=folder)
+    db = str(tmp_path / "x.duckdb")
+    pipeline.ingest([str(folder)], db, workers=1)
+    trace_with(tiny_events()[:4], folder=folder, name=path.name)
+    pipeline.ingest([str(folder)], db, workers=1)
+    con = duckdb.connect(db, read_only=True)
+    assert con.execute("SELECT count(*) FROM trace_events").fetchone()[0] == 4
+    assert con.execute("SELECT count(*) FROM files").fetchone()[0] == 1
+    assert outcomes == ["loaded"]  # the second time through the decoder: the old rows go in the same transaction
+
+
+# -- new databases start from a cached empty one --------------------------------------------
+
+def _views(db: str) -> list[tuple]:
+    con = duckdb.connect(db, read_only=True)
+    try:
+        return con.execute("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal ORDER BY view_name").fetchall()
+    finally:
+        con.close()
+
+
+def test_new_database_is_a_copy_of_the_cached_empty_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORENSICS_CACHE", str(tmp_path / "cache"))
+    Store(str(tmp_path / "a.duckdb")).close()
+    template = Path(store.template_path())
+    assert template.is_file() and template.parent == tmp_path / "cache"
+    built = template.stat().st_mtime_ns
+    Store(str(tmp_path / "b.duckdb")).close()
+    assert template.stat().st_mtime_ns == built  # used, not built again
+    Store(str(tmp_path / "c.duckdb"), _template=False).close()
+    assert _views(str(tmp_path / "b.duckdb")) == _views(str(tmp_path / "c.duckdb")) != []
+    assert list((tmp_path / "cache").iterdir()) == [template]  # no leftovers of the build
+
+
+def test_a_cache_that_cannot_be_written_only_costs_time(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv("FORENSICS_CACHE", str(blocker / "cache"))
+    Store(str(tmp_path / "a.duckdb")).close()
+    Store(str(tmp_path / "b.duckdb"), _template=False).close()
+    assert _views(str(tmp_path / "a.duckdb")) == _views(str(tmp_path / "b.duckdb")) != []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.duckdb", "b.duckdb", "not-a-folder"]
