@@ -159,9 +159,10 @@ def build_big(source: Path, target: Path, size: int) -> tuple[int, int]:
     return target.stat().st_size, n * copies
 
 
-def line(tool: str, run: Run, nbytes: int, events: int) -> str:
+def line(tool: str, run: Run, nbytes: int, events: int, label: str | None = None) -> str:
     """One result line; the load average before it tells how busy the machine was."""
-    return (f"  [load avg {os.getloadavg()[0]:4.1f}] {tool:9s} wall {run.wall:7.2f} s  load {run.load:7.2f} s  {nbytes / 1e6 / run.load:7.1f} MB/s  "
+    label = label or f"load avg {os.getloadavg()[0]:4.1f}"
+    return (f"  [{label}] {tool:9s} wall {run.wall:7.2f} s  load {run.load:7.2f} s  {nbytes / 1e6 / run.load:7.1f} MB/s  "
             f"{events / run.load / 1e3:8.1f} k events/s  peak RSS tree {run.peak_tree / 2**20:6.0f} MiB  "
             f"largest process {run.peak_single / 2**20:6.0f} MiB")
 
@@ -194,13 +195,11 @@ def compare(name: str, folder: Path, work: Path, hta: Path | None, workers: int,
             hta_runs.append(theirs)
     ours = median(ours_runs)
     if repeat > 1:
-        print(line("forensics", ours, nbytes, events).replace("[load avg", "[median   ").replace("]", "", 1)
-              + f"  (median of {repeat})", flush=True)
+        print(line("forensics", ours, nbytes, events, f"median of {repeat}"), flush=True)
     if hta_runs:
         theirs = median(hta_runs)
         if repeat > 1:
-            print(line("HTA", theirs, nbytes, events).replace("[load avg", "[median   ").replace("]", "", 1)
-                  + f"  (median of {repeat})", flush=True)
+            print(line("HTA", theirs, nbytes, events, f"median of {repeat}"), flush=True)
         print(f"  HTA / forensics{' (medians)' if repeat > 1 else ''}: wall {theirs.wall / ours.wall:.1f}x, "
               f"load {theirs.load / ours.load:.1f}x, peak RSS tree {theirs.peak_tree / ours.peak_tree:.1f}x, "
               f"largest process {theirs.peak_single / ours.peak_single:.1f}x; forensics / HTA peak RSS tree "
