@@ -201,7 +201,7 @@ def template_path() -> str:
     return os.path.join(folder, f"empty-{_schema_fingerprint()[:20]}-duckdb{duckdb.__version__}.duckdb")
 
 
-def _start_from_template(path: str) -> None:
+def _start_from_template(path: str) -> bool:
     """Make the new database ``path`` a copy of an empty database with every table and
     view of this schema, built once per schema and DuckDB version in :func:`template_path`.
 
@@ -209,7 +209,7 @@ def _start_from_template(path: str) -> None:
     created in (DuckDB binds a view, and every view under it, at CREATE VIEW), while
     opening a database that has them costs nothing: a copy skips that cost. When the
     cache cannot be written or read (read-only home, disk full), the database is made
-    the usual way: that only costs the time."""
+    the usual way: that only costs the time. Returns whether ``path`` is such a copy."""
     template = template_path()
     try:
         if not os.path.exists(template):
@@ -225,12 +225,13 @@ def _start_from_template(path: str) -> None:
         copying = path + ".forensics-new"
         try:
             shutil.copyfile(template, copying)
-            os.replace(copying, path)
+            os.link(copying, path)  # not os.replace: a database another process made meanwhile stays
         finally:
             if os.path.exists(copying):
                 os.unlink(copying)
-    except (OSError, StoreError):
-        pass  # see the docstring: the database is then made the usual way
+        return True
+    except (OSError, duckdb.Error, StoreError):
+        return False  # see the docstring: the database is then made the usual way
 
 
 class Store:
@@ -241,11 +242,19 @@ class Store:
         spends while the parser processes start). A new database file starts as a copy
         of an empty one that has them (:func:`_start_from_template`)."""
         self.path = str(path)
-        if _template and not read_only and self.path != ":memory:" and not self.path.startswith(":memory:") \
-                and not os.path.exists(self.path):
-            _start_from_template(self.path)
+        copied = (_template and not read_only and not self.path.startswith(":memory:") and not os.path.exists(self.path)
+                  and _start_from_template(self.path))
         try:
-            self.con = duckdb.connect(self.path, read_only=read_only)
+            try:
+                self.con = duckdb.connect(self.path, read_only=read_only)
+            except duckdb.Error:
+                if not copied:
+                    raise
+                # the cached copy is damaged (it was whole when written): drop both, start afresh
+                for damaged in (self.path, template_path()):
+                    if os.path.exists(damaged):
+                        os.unlink(damaged)
+                self.con = duckdb.connect(self.path, read_only=read_only)
         except duckdb.IOException as exc:
             text = str(exc)
             if "lock" in text.lower():
@@ -410,6 +419,8 @@ class Store:
             (n,) = con.execute(
                 f'INSERT INTO "{table.name}" SELECT {cols} FROM ({handed.select}) '
                 f"WHERE CASE WHEN ok THEN true ELSE error('{REFUSED_MARK}') END").fetchone()
+        except duckdb.InterruptException:
+            raise  # the ingest is being stopped: not a reason to decode the file instead
         except duckdb.Error as exc:
             raise JsonRowsRefused(str(exc).split("\n")[0]) from None
         if n != handed.rows:

@@ -285,3 +285,50 @@ def test_a_cache_that_cannot_be_written_only_costs_time(tmp_path, monkeypatch):
     Store(str(tmp_path / "b.duckdb"), _template=False).close()
     assert _views(str(tmp_path / "a.duckdb")) == _views(str(tmp_path / "b.duckdb")) != []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.duckdb", "b.duckdb", "not-a-folder"]
+
+
+def test_a_damaged_cached_copy_is_dropped_and_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORENSICS_CACHE", str(tmp_path / "cache"))
+    Store(str(tmp_path / "a.duckdb")).close()
+    Path(store.template_path()).write_bytes(b"not a database" * 100)
+    Store(str(tmp_path / "b.duckdb")).close()
+    Store(str(tmp_path / "c.duckdb")).close()  # a new cached copy, whole again
+    assert _views(str(tmp_path / "b.duckdb")) == _views(str(tmp_path / "c.duckdb")) == _views(str(tmp_path / "a.duckdb"))
+
+
+def test_a_database_made_meanwhile_is_not_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORENSICS_CACHE", str(tmp_path / "cache"))
+    Store(str(tmp_path / "a.duckdb")).close()
+    target = tmp_path / "b.duckdb"
+    real_copy = shutil.copyfile
+
+    def copy_then_race(src, dst):  # another process creates the database during the copy
+        out = real_copy(src, dst)
+        target.write_bytes(b"theirs")
+        return out
+
+    monkeypatch.setattr(store.shutil, "copyfile", copy_then_race)
+    with pytest.raises(store.StoreError):
+        Store(str(target))  # theirs is not a database: opened as it is, and refused
+    assert target.read_bytes() == b"theirs"
+    assert not list(tmp_path.glob("*.forensics-new"))
+
+
+def test_an_interrupted_load_is_not_taken_for_a_refusal(tmp_path):
+    from parsers.base import JsonArrayRows
+
+    class Stopped:
+        def execute(self, *args):
+            raise duckdb.InterruptException("INTERRUPT Error: Interrupted!")
+
+    class Broken:
+        def execute(self, *args):
+            raise duckdb.InvalidInputException("Invalid Input Error: malformed JSON")
+
+    st = Store(str(tmp_path / "x.duckdb"))
+    handed = JsonArrayRows("trace_events", "a.json", "a.parquet", 1, "SELECT 1 AS ok")
+    with pytest.raises(duckdb.InterruptException):
+        st.insert_json_rows(handed, Stopped())
+    with pytest.raises(JsonRowsRefused, match="malformed JSON"):
+        st.insert_json_rows(handed, Broken())
+    st.close()
