@@ -475,14 +475,13 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) 
             loaded.rows_added[h.table] = loaded.rows_added.get(h.table, 0) + store.insert_json_rows(h, cur)
     except JsonRowsRefused as exc:
         cur.execute("ROLLBACK")
-        _drop_handed(res.handed)
         _drop_parts(res.parts)
         task.direct = False
-        res = parse_one(task, spool, debug)
+        again = parse_one(task, spool, debug)
         if debug:
-            res.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
-                                 "message": f"(--debug) DuckDB's JSON reader did not take it ({exc}); parsed the usual way"})
-        return JobResult([res], _kept_parts([res]))
+            again.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
+                                   "message": f"(--debug) DuckDB's JSON reader did not take it ({exc}); parsed the usual way"})
+        return JobResult([again], _kept_parts([again]))
     finally:
         _drop_handed(res.handed)
     try:

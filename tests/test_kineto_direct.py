@@ -285,6 +285,16 @@ def test_a_cache_that_cannot_be_written_only_costs_time(tmp_path, monkeypatch):
     Store(str(tmp_path / "b.duckdb"), _template=False).close()
     assert _views(str(tmp_path / "a.duckdb")) == _views(str(tmp_path / "b.duckdb")) != []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.duckdb", "b.duckdb", "not-a-folder"]
+    # the views are then made while traces load on other cursors
+    folder = tmp_path / "prof"
+    folder.mkdir()
+    for i in range(3):
+        shutil.copy(TINY, folder / f"rank{i}.pt.trace.json")
+    pipeline.ingest([str(folder)], str(tmp_path / "c.duckdb"), workers=2)
+    assert _views(str(tmp_path / "c.duckdb")) == _views(str(tmp_path / "a.duckdb"))
+    con = duckdb.connect(str(tmp_path / "c.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM trace_events").fetchone()[0] == 45
+    assert con.execute("SELECT count(*) FROM phase_trace").fetchone()[0] == 45  # a view over the loaded rows
 
 
 def test_a_damaged_cached_copy_is_dropped_and_made_again(tmp_path, monkeypatch):
