@@ -888,7 +888,8 @@ def test_stale_temporary_folders_of_killed_ingests_are_removed(tmp_path, monkeyp
 # files were loaded) and waits for ``go`` to appear: the test interrupts it there or
 # lets it go on, whatever the speed of the machine.
 PAUSING_CLI = r"""
-import os, sys, time
+import faulthandler, os, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung ingest shows where it waits
 from forensics import pipeline
 marker, go, after = sys.argv[1], sys.argv[2], int(sys.argv[3])
 real = pipeline.ingest
@@ -956,7 +957,14 @@ def test_interrupted_ingest_resumes_without_duplicates(tmp_path, monkeypatch, gz
     proc, go, tmpdir, marker = start_paused(tmp_path, gz_folder, db, after=70)
     workers = proc.children(recursive=True)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # its threads' stacks, then end it
+        time.sleep(2)
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail("the interrupted ingest did not end within 120 s; its threads:\n" + err.decode()[-6000:])
     err = err.decode()
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
