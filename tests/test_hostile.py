@@ -923,13 +923,20 @@ def gz_folder(tmp_path_factory) -> Path:
     return root
 
 
+def interruptible() -> None:
+    """``preexec_fn`` of an ingest the test interrupts: SIGINT as a terminal would send it.
+    A shell starts background commands with SIGINT ignored, and Python then keeps it
+    ignored: a suite run as ``pytest &`` would see the ingest not stop."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_paused(tmp_path: Path, folder: Path, db: Path, after: int) -> tuple[psutil.Popen, Path, Path, Path]:
     marker, go, tmpdir = tmp_path / "paused", tmp_path / "go", tmp_path / "tmp"
     tmpdir.mkdir(exist_ok=True)
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     proc = psutil.Popen([sys.executable, "-c", PAUSING_CLI, str(marker), str(go), str(after),
                          "ingest", str(folder), "--db", str(db), "--workers", "2", "-q"],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=interruptible)
     deadline = time.time() + 240
     while not marker.exists():
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
@@ -960,11 +967,13 @@ def test_interrupted_ingest_resumes_without_duplicates(tmp_path, monkeypatch, gz
     try:
         out, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
+        status = Path(f"/proc/{proc.pid}/status")
+        masks = [ln for ln in status.read_text().splitlines() if ln.startswith(("SigIgn", "SigCgt"))] if status.exists() else []
         proc.send_signal(signal.SIGUSR1)  # its threads' stacks, then end it
         time.sleep(2)
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail("the interrupted ingest did not end within 120 s; its threads:\n" + err.decode()[-6000:])
+        pytest.fail(f"the interrupted ingest did not end within 120 s ({masks}); its threads:\n" + err.decode()[-6000:])
     err = err.decode()
     if sig == signal.SIGINT:
         assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]

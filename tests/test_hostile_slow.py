@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from .test_hostile import assert_accounting, assert_complete, folder_contents, log_lines, ours, run_cli
+from .test_hostile import assert_accounting, assert_complete, folder_contents, interruptible, log_lines, ours, run_cli
 from .test_ingest import rows
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def _orphans_are_noted(db: Path) -> None:
 def _start(folder: Path, db: Path, tmpdir: Path) -> psutil.Popen:
     env = {**os.environ, "TMPDIR": str(tmpdir)}
     return psutil.Popen([sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--workers", "2", "-q"],
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=interruptible)
 
 
 def _wait_for_work(proc: psutil.Popen, db: Path, seconds: float) -> bool:
