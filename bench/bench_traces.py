@@ -94,7 +94,8 @@ def ensure_hta() -> Path:
     return python
 
 
-def run_forensics(folder: Path, work: Path, workers: int, env: dict | None = None) -> Run:
+def run_forensics(folder: Path, work: Path, workers: int, env: dict | None = None, cold: bool = False) -> Run:
+    """``forensics ingest`` of ``folder`` with ``env`` added; ``cold``: with an empty database cache."""
     db = work / f"{folder.parent.name}-{folder.name}.duckdb"
     for p in (db, Path(f"{db}.wal")):
         if p.exists():
@@ -102,11 +103,9 @@ def run_forensics(folder: Path, work: Path, workers: int, env: dict | None = Non
     cmd = [sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "--json"]
     if workers:
         cmd += ["--workers", str(workers)]
-    cache = None
-    if env is not None and env.get("FORENSICS_CACHE") == "cold":
-        cache = tempfile.mkdtemp(prefix="cold-cache-", dir=work)
-        env = {**env, "FORENSICS_CACHE": cache}
-    wall, tree, single, proc = measure(cmd, cwd=REPO, env=None if env is None else {**os.environ, **env})
+    cache = tempfile.mkdtemp(prefix="cold-cache-", dir=work) if cold else None
+    env = {**(env or {}), **({"FORENSICS_CACHE": cache} if cache else {})}
+    wall, tree, single, proc = measure(cmd, cwd=REPO, env={**os.environ, **env})
     if cache:
         shutil.rmtree(cache, ignore_errors=True)
     if proc.returncode != 0:
@@ -175,17 +174,17 @@ def median(runs: list[Run]) -> Run:
 
 
 def compare(name: str, folder: Path, work: Path, hta: Path | None, workers: int, repeat: int = 1,
-            ours_env: dict | None = None, usual: bool = False) -> None:
+            cold: bool = False, usual: bool = False) -> None:
     nbytes, events = trace_stats(folder)
     print(f"\n{name}: {len(list(folder.iterdir()))} trace(s), {nbytes / 1e6:.0f} MB of JSON, {events:,} events", flush=True)
     ours_runs, usual_runs, hta_runs = [], [], []
     for _ in range(repeat):
-        ours = run_forensics(folder, work, workers, ours_env)
+        ours = run_forensics(folder, work, workers, cold=cold)
         rows = ours.detail["rows_added"].get("trace_events", 0)
         print(line("forensics", ours, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'})", flush=True)
         ours_runs.append(ours)
         if usual:
-            run = run_forensics(folder, work, workers, {**(ours_env or {}), "FORENSICS_DIRECT": "0"})
+            run = run_forensics(folder, work, workers, {"FORENSICS_DIRECT": "0"}, cold=cold)
             rows = run.detail["rows_added"].get("trace_events", 0)
             print(line("(decoder)", run, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'}; FORENSICS_DIRECT=0)", flush=True)
             usual_runs.append(run)
@@ -239,7 +238,6 @@ def main() -> None:
         raise SystemExit(f"no profiler traces under {args.corpus}/real/*/profiler")
     print(f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB memory, python {sys.version.split()[0]}")
     hta = None if args.no_hta else (args.hta_python or ensure_hta())
-    ours_env = {"FORENSICS_CACHE": "cold"} if args.cold else None
     if not args.cold:
         warm_template()
     data_root = REPO / "bench" / "data"
@@ -247,7 +245,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="traces-", dir=data_root))
     try:
         for folder in folders:
-            compare(str(folder.relative_to(args.corpus)), folder, work, hta, args.workers, args.repeat, ours_env, args.usual)
+            compare(str(folder.relative_to(args.corpus)), folder, work, hta, args.workers, args.repeat, args.cold, args.usual)
         if not args.no_big:
             big = work / "big"
             big.mkdir()
@@ -255,7 +253,7 @@ def main() -> None:
             t0 = time.perf_counter()
             nbytes, events = build_big(source, big / "rank0.big.pt.trace.json", int(args.big_gb * 1e9))
             print(f"\nbuilt {nbytes / 1e9:.2f} GB trace with {events:,} events from {source.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-            ours = run_forensics(big, work, args.workers, ours_env)
+            ours = run_forensics(big, work, args.workers, cold=args.cold)
             rows = ours.detail["rows_added"].get("trace_events", 0)
             print(line("forensics", ours, nbytes, events) + f"  ({rows:,} rows{'' if rows == events else ' MISMATCH'})", flush=True)
             if hta is not None and args.hta_big:

@@ -67,7 +67,6 @@ class FileTask:
     start_offset: int = 0
     replace_from_line: int | None = None  # None: full (re)load
     is_new: bool = True  # no rows of this file_id in the database yet
-    direct: bool = False  # parsed in a thread of the ingest, its rows handed to DuckDB's JSON reader
 
 
 @dataclass
@@ -340,14 +339,15 @@ class _ReadGuard:
         return True
 
 
-def parse_one(task: FileTask, spool: str, debug: bool = False) -> FileResult:
-    """Parse one file into Arrow IPC parts under ``spool``. Never raises, except
+def parse_one(task: FileTask, spool: str, debug: bool = False, direct: bool = False) -> FileResult:
+    """Parse one file into Arrow IPC parts under ``spool``; ``direct``: the parser may also
+    hand rows over as :class:`JsonArrayRows` (files in ``spool`` too). Never raises, except
     :class:`IngestError` (the spool cannot be written)."""
     d = task.detected
     ctx = FileContext(
         file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
         start_line=task.start_line, start_offset=task.start_offset,
-        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor, scratch=spool if task.direct else None,
+        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor, scratch=spool if direct else None,
     )
     parts: dict[str, list[str]] = {}
     handed: list[JsonArrayRows] = []
@@ -427,13 +427,17 @@ def _spool(frames, spool: str, prefix: str, parts: dict[str, list[str]], handed:
         parts.setdefault(name, []).append(path)
 
 
+def _remove(paths) -> None:
+    """Remove spooled files (one already gone is fine)."""
+    for p in paths:
+        try:
+            os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def _drop_handed(handed: list) -> None:
-    for h in handed:
-        for p in (h.array_path, h.lines_path):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+    _remove(p for h in handed for p in (h.array_path, h.lines_path))
 
 
 @dataclass
@@ -464,8 +468,7 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) 
     rows the parser would (see :meth:`Store.insert_json_rows`), the transaction is
     rolled back and the file parsed the usual way, here, for ``finish`` to load."""
     (task,) = job
-    task.direct = True
-    res = parse_one(task, spool, debug)
+    res = parse_one(task, spool, debug, direct=True)
     if not res.handed:  # the parser decoded it itself (cut off, unusual layout) or failed
         return JobResult([res], _kept_parts([res]))
     loaded = IngestSummary()
@@ -476,7 +479,6 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) 
     except JsonRowsRefused as exc:
         cur.execute("ROLLBACK")
         _drop_parts(res.parts)
-        task.direct = False
         again = parse_one(task, spool, debug)
         if debug:
             again.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
@@ -576,12 +578,7 @@ def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult
 
 
 def _drop_parts(parts: dict[str, list[str]]) -> None:
-    for paths in parts.values():
-        for p in paths:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+    _remove(p for paths in parts.values() for p in paths)
 
 
 def _kept_parts(results: list[FileResult]) -> dict[str, list[str]]:
@@ -947,14 +944,15 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             finish(parse_job(job, spool, debug))
         return
     pool = threads = None
-    in_flight: dict[Future, object] = {}  # future -> the cursor it uses (None: a parse job)
-    queues = [(iter(direct_jobs), "direct", max(1, min(workers, len(direct_jobs)))),
-              (iter(jobs), "pool" if use_pool else "thread", workers * 2 if use_pool else 1)]
+    in_flight: dict[Future, object] = {}  # a direct job's future -> the cursor it uses
+    # kind -> (its jobs, how many may run at once)
+    queues = {"direct": (iter(direct_jobs), max(1, min(workers, len(direct_jobs)))),
+              "pool" if use_pool else "thread": (iter(jobs), workers * 2 if use_pool else 1)}
     kinds: dict[Future, str] = {}
 
     def submit(kind: str) -> None:
-        it, limit = next((q[0], q[2]) for q in queues if q[1] == kind)
-        if sum(1 for k in kinds.values() if k == kind) >= limit:
+        it, limit = queues[kind]
+        if list(kinds.values()).count(kind) >= limit:
             return
         job = next(it, None)
         if job is None:
@@ -982,7 +980,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             # the parsers watch the read end: it reaches end-of-file when this process is gone
             alive_r, alive_w = ctx.Pipe(duplex=False)
             pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r,))
-        for _, kind, limit in queues:
+        for kind, (_, limit) in queues.items():
             for _ in range(limit):
                 submit(kind)
         idle()

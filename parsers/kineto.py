@@ -863,14 +863,19 @@ def _rows(df: pl.DataFrame, st: FileState) -> pa.Table:
     return df.select([c.name for c in TRACE_EVENTS.columns]).to_arrow().cast(TRACE_EVENTS.arrow_schema)
 
 
+def usual_separator(text: bytes) -> bytes:
+    """The text found most often between two objects in the first 256 KB of ``text``."""
+    counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
+    return counts.most_common(1)[0][0] if counts else b"},{"
+
+
 def decoders(st: FileState) -> tuple[Callable, Callable]:
     """The (on_text, on_values) pair of :class:`ArrayStream` that yields finished rows."""
     seps: list[bytes] = []
 
     def on_text(text: bytes, line: int) -> pa.Table | None:
         if not seps:  # the file's usual separator, from its first batch
-            counts = Counter(m.group() for m in _SEP.finditer(text, 0, 1 << 18))
-            seps.append(counts.most_common(1)[0][0] if counts else b"},{")
+            seps.append(usual_separator(text))
         df = frame_from_text(text, line, seps[0])
         if df is None:
             return None
@@ -1003,7 +1008,8 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
     None when the events cannot be found without decoding them: the array is empty, cut
     off, or not closed by a ``]`` followed by the end of the object within
     ``SPOOL_HOLD`` bytes of the end, or its first element is not an object. The copy
-    then holds every byte from the ``[`` on, for the usual parser to read again. Events
+    then holds every byte from the ``[`` on, for the usual parser to read again (and
+    the line file is gone). Events
     separated otherwise than the file's usual way are not found: the store sees that by
     the count and has the file parsed the usual way too.
     """
@@ -1012,8 +1018,7 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
     window = bytes(buf[pos - 1:])  # from the `[`
     window_line = 1 + _newlines(buf, 0, pos - 1)
     window_at = 0  # offset of window[0] in the copy
-    counts = Counter(m.group() for m in _SEP.finditer(window, 0, 1 << 18))
-    sep = counts.most_common(1)[0][0] if counts else b"},{"
+    sep = usual_separator(window)
     lw = _LineWriter(lines_path)
     first = 1
     while first < len(window) and window[first] in _WS:
@@ -1051,6 +1056,7 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
             return (JsonArrayRows("trace_events", path, lines_path, lw.rows, events_select(path, lines_path, st)),
                     hold[end - hold_at + 1:], path)
         out.write(hold)
+    os.unlink(lines_path)  # of no use to the decoder, which finds the lines itself
     return None, b"", path
 
 
@@ -1215,9 +1221,7 @@ def parse_trace(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYT
                 yield from parse_trace(replay, ctx, batch_bytes)
             finally:
                 replay.close()
-                for leftover in (copy, handed_lines(copy)):
-                    if os.path.exists(leftover):
-                        os.unlink(leftover)
+                os.unlink(copy)
             return
         st.seq = handed.rows
         yield "trace_events", handed
@@ -1239,11 +1243,6 @@ def parse_trace(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYT
                             arr.line, "truncated")
             _late_keys(head, trailer, ctx)
     yield "trace_meta", finish_file(reader, st, arr, ctx, {**head, **trailer})
-
-
-def handed_lines(copy: str) -> str:
-    """The line-number file that goes with the event array copy ``copy``."""
-    return copy[: -len(".json")] + ".parquet"
 
 
 def _late_keys(head: dict, trailer: dict, ctx: FileContext) -> None:
