@@ -7,11 +7,13 @@ kind of log it is (shown in the ingest summary and the ``files`` table).
 """
 from __future__ import annotations
 
-import gzip
 import io
 import re
 import zlib
 from dataclasses import dataclass
+from typing import BinaryIO
+
+from .gunzip import GunzipReader
 
 from parsers import ray_logs, torchrun
 
@@ -168,8 +170,8 @@ def detect(path: str, rel: str, size: int) -> Detected:
     return sniff(rel, head, compressed, size)
 
 
-def open_stream(path: str, compressed: bool) -> io.BufferedIOBase:
-    """A binary stream of the file's content (gzip decompressed on the fly)."""
-    if compressed:
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return open(path, "rb")
+def gunzip(raw: BinaryIO) -> io.RawIOBase:
+    """The decompressed content of the gzip stream ``raw``, read as it goes. Corrupt or
+    cut-off data raises one of ``parsers.base.DECOMPRESS_ERRORS`` when the read gets to
+    it, after all the data before it."""
+    return GunzipReader(raw)

@@ -38,12 +38,10 @@ out so that the events cannot be found without decoding it.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import os
 import re
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -55,7 +53,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, FileContext, JsonArrayRows, LINE_NO, ParseOutput, Table, col
+from .base import DECOMPRESS_ERRORS, FILE_ID, FileContext, JsonArrayRows, LINE_NO, ParseOutput, Table, col
 
 TRACE_EVENTS = Table(
     "trace_events",
@@ -186,7 +184,7 @@ class SafeReader:
             return b""
         try:
             block = self._read(n)
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        except DECOMPRESS_ERRORS as exc:
             self.broken = True
             self.ctx.truncated = True
             self.ctx.problem(f"compressed data ends early or is corrupt ({exc.__class__.__name__}: {exc}); "
@@ -960,38 +958,46 @@ class _Replay:
 
 
 class _LineWriter:
-    """The (seq, line_no) of each event start, written to Parquet a window at a time; the
-    last window's stay in memory until the end of the array is known."""
+    """The (seq, line_no) of each event start, written to Parquet ``LINE_ROWS`` at a time;
+    the last window's stay apart until the end of the array is known."""
+
+    LINE_ROWS = 1 << 20  # starts gathered before a write (16 MB): few writes, bounded memory
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq
 
         self.writer = pq.ParquetWriter(path, pa.schema([("seq", pa.int64()), ("line_no", pa.int64())]), compression="none")
         self.rows = 0
-        self.written_to = -1  # the last offset written
-        self.held: tuple[np.ndarray, np.ndarray] | None = None  # (offsets, lines)
+        self.written_to = -1  # the last offset passed on to be written
+        self.held: tuple[np.ndarray, np.ndarray] | None = None  # (offsets, lines) of the last window
+        self.pending: list[np.ndarray] = []  # line numbers passed on, not written yet
+        self.pending_rows = 0
 
     def add(self, offsets: np.ndarray, lines: np.ndarray) -> None:
         self._flush(None)
         self.held = (offsets, lines)
 
     def _flush(self, end: int | None) -> None:
-        if self.held is None:
-            return
-        offsets, lines = self.held
-        if end is not None:
-            lines = lines[offsets < end]
-        elif len(offsets):
-            self.written_to = int(offsets[-1])
-        if len(lines):
+        if self.held is not None:
+            offsets, lines = self.held
+            self.held = None
+            if end is not None:
+                lines = lines[offsets < end]
+            elif len(offsets):
+                self.written_to = int(offsets[-1])
+            if len(lines):
+                self.pending.append(lines)
+                self.pending_rows += len(lines)
+        if self.pending_rows >= (1 if end is not None else self.LINE_ROWS):
+            lines = np.concatenate(self.pending)
             self.writer.write_table(pa.table({"seq": np.arange(self.rows, self.rows + len(lines), dtype=np.int64),
                                               "line_no": lines}))
-        self.rows += len(lines)
-        self.held = None
+            self.rows += len(lines)
+            self.pending, self.pending_rows = [], 0
 
     def close(self, end: int | None) -> bool:
         """Keep the starts before offset ``end`` (the array's ``]``); False when starts
-        after it were written already (or there is no end)."""
+        after it were passed on already (or there is no end)."""
         ok = end is not None and self.written_to < end
         if ok:
             self._flush(end)
@@ -1026,7 +1032,7 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
     found_first = first < len(window) and window[first] == 0x7B  # an event object (not `]`, not the cut)
     if found_first:
         lw.add(np.array([first], dtype=np.int64), np.array([window_line + _newlines(window, 0, first)], dtype=np.int64))
-    hold = b""  # the last bytes, not written yet: the end of the array is in them
+    hold = bytearray()  # the last bytes, not written yet: the end of the array is in them
     with open(path, "wb") as out:
         while True:
             nxt = _read_about(reader, SPOOL_READ)
@@ -1041,15 +1047,18 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
                     lw.add(window_at + starts, window_line + np.searchsorted(newlines, starts).astype(np.int64))
             window_line += int(np.searchsorted(newlines, keep))
             del view, newlines
-            hold += window[:keep]
+            hold += memoryview(window)[:keep]
             if len(hold) > SPOOL_HOLD:
-                out.write(hold[:-SPOOL_HOLD])
-                hold = hold[-SPOOL_HOLD:]
+                cut = len(hold) - SPOOL_HOLD
+                with memoryview(hold) as mv, mv[:cut] as part:
+                    out.write(part)
+                del hold[:cut]  # cheap: a bytearray drops its head without moving the rest
             window_at += keep
             if not nxt:
                 break
             window = window[keep:] + nxt
         hold_at = window_at - len(hold)
+        hold = bytes(hold)
         end = _array_end(hold, hold_at) if found_first else None
         if lw.close(end):
             out.write(hold[: end - hold_at + 1])
@@ -1114,8 +1123,8 @@ def events_select(array_path: str, lines_path: str, st: FileState) -> str:
     (more or fewer events than the parser found starts). An event with none of the
     fields read (``{}``) is not ``ok`` either: it cannot be told from such a row. The
     ``args`` text is DuckDB's compact rendering of the object."""
-    def unquote(c: str) -> str:
-        return f"({c} ->> '$')"
+    def unquote(c: str) -> str:  # c: a JSON string's text (or the row is not ok); without an escape, what is between the quotes
+        return f"(CASE WHEN contains({c}, '\\') THEN {c} ->> '$' ELSE {c}[2:-2] END)"
 
     def is_str(c: str) -> str:  # c: JSON text, null when missing or JSON null
         return f"({c} IS NULL OR starts_with({c}, '\"'))"
