@@ -961,12 +961,12 @@ class _LineWriter:
     """The (seq, line_no) of each event start, written to Parquet ``LINE_ROWS`` at a time;
     the last window's stay apart until the end of the array is known."""
 
-    LINE_ROWS = 1 << 20  # starts gathered before a write (16 MB): few writes, bounded memory
+    LINE_ROWS = 1 << 18  # starts gathered before a write: few writes, a few MB held
 
     def __init__(self, path: str):
         import pyarrow.parquet as pq
 
-        self.writer = pq.ParquetWriter(path, pa.schema([("seq", pa.int64()), ("line_no", pa.int64())]), compression="none")
+        self.writer = pq.ParquetWriter(path, pa.schema([("seq", pa.int64()), ("line_no", pa.int64())]), compression="none", use_dictionary=False, write_statistics=False)
         self.rows = 0
         self.written_to = -1  # the last offset passed on to be written
         self.held: tuple[np.ndarray, np.ndarray] | None = None  # (offsets, lines) of the last window
