@@ -29,13 +29,17 @@ from parsers.base import FILE_ID, JsonArrayRows, LINE_NO, Table, col
 
 SCHEMA_VERSION = 1
 
-# DuckDB's memory limit for ingest, diagnosis and report (env FORENSICS_DB_MEMORY). DuckDB
-# caches blocks up to 80% of RAM by default; none of them gains from that. Measured: a 2 GB
-# trace ingested in the same time at 0.73 GB peak with this and 1.16 GB with 1GB; the
-# diagnosis of 1 GB of logs in the same time at 1.0 GB peak with this and 1.4 GB with 1GB;
-# the report of those logs in the same time at 1.0 GB instead of 1.6 GB (no limit), and the
-# 1,000-step x 64-rank bench report as fast as with 16GB.
-DB_MEMORY = "512MB"
+# DuckDB's memory limit (env FORENSICS_DB_MEMORY, one value for all three when set). DuckDB
+# caches blocks up to 80% of RAM by default; ingest and diagnosis gain nothing from that.
+# Measured with 256MB against 512MB: two profiler traces (190 MB of JSON) ingested in the
+# same time at 380 instead of 440 MiB peak, a 2 GB trace at 430 instead of 600 MiB; 300 MB
+# of text logs ingested as fast (faster, within the noise) at 1.19 instead of 1.33 GB for
+# the process tree; the diagnosis of 1 GB of logs in the same time at 0.74 instead of 1.0 GB.
+# The report materialises the phase views of millions of events and was 15% slower with
+# 256MB on the 1,000-step x 64-rank bench (3.9 against 3.5 CPU s): it keeps 512MB, with
+# which that bench ran as fast as with 16GB.
+DB_MEMORY = "256MB"  # ingest and diagnosis
+REPORT_DB_MEMORY = "512MB"
 
 
 class SettingError(ValueError):
@@ -51,9 +55,9 @@ def apply_setting(con: duckdb.DuckDBPyConnection, key: str, env: str, value) -> 
         raise SettingError(f"{env}={value!r} is not a value DuckDB takes for {key}: {exc}") from None
 
 
-def set_memory_limit(con: duckdb.DuckDBPyConnection) -> None:
-    """Apply ``FORENSICS_DB_MEMORY`` (default :data:`DB_MEMORY`) to ``con``."""
-    apply_setting(con, "memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", DB_MEMORY))
+def set_memory_limit(con: duckdb.DuckDBPyConnection, default: str = DB_MEMORY) -> None:
+    """Apply ``FORENSICS_DB_MEMORY`` (else ``default``) to ``con``."""
+    apply_setting(con, "memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", default))
 
 FILES = Table(
     "files",
