@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -205,6 +206,41 @@ def template_path() -> str:
     return os.path.join(folder, f"empty-{_schema_fingerprint()[:20]}-duckdb{duckdb.__version__}.duckdb")
 
 
+KEEP_TEMPLATES = 4  # empty databases kept in the cache (other schema or DuckDB versions: ~1 MB each)
+_STALE_BUILD_S = 3600  # a template build older than this was left by a process that died
+
+
+def _prune_templates(current: str) -> list[str]:
+    """Remove cached empty databases of other schemas or DuckDB versions beyond the
+    :data:`KEEP_TEMPLATES` - 1 most recently made ones, and builds left by processes that
+    died; return what was removed. A file that cannot be removed (another process removed
+    it first, or has it open where that prevents removal) is left for a later prune."""
+    folder = os.path.dirname(current)
+    now = time.time()
+    others, removed = [], []
+    with os.scandir(folder) as entries:
+        for e in entries:
+            if not (e.name.startswith("empty-") and e.is_file()) or e.path == current:
+                continue
+            try:
+                mtime = e.stat().st_mtime
+            except OSError:  # removed meanwhile
+                continue
+            if e.name.endswith(".duckdb"):
+                others.append((mtime, e.path))
+            elif e.name.endswith((".tmp", ".tmp.wal")) and now - mtime > _STALE_BUILD_S:
+                removed.append(e.path)
+    removed += [p for _, p in sorted(others, reverse=True)[KEEP_TEMPLATES - 1:]]
+    gone = []
+    for p in removed:
+        try:
+            os.unlink(p)
+            gone.append(p)
+        except OSError:
+            pass  # see the docstring: left for a later prune, and a stale cache file harms nothing
+    return gone
+
+
 def _start_from_template(path: str) -> bool:
     """Make the new database ``path`` a copy of an empty database with every table and
     view of this schema, built once per schema and DuckDB version in :func:`template_path`.
@@ -222,6 +258,7 @@ def _start_from_template(path: str) -> bool:
             try:
                 Store(building, _template=False).close()
                 os.replace(building, template)  # atomic: readers see a whole file or none
+                _prune_templates(template)
             finally:
                 for leftover in (building, building + ".wal"):
                     if os.path.exists(leftover):

@@ -3,8 +3,10 @@ same rows as the parser's own decoder, or are handed back to it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import duckdb
@@ -275,6 +277,33 @@ def test_new_database_is_a_copy_of_the_cached_empty_one(tmp_path, monkeypatch):
     Store(str(tmp_path / "c.duckdb"), _template=False).close()
     assert _views(str(tmp_path / "b.duckdb")) == _views(str(tmp_path / "c.duckdb")) != []
     assert list((tmp_path / "cache").iterdir()) == [template]  # no leftovers of the build
+
+
+def test_building_a_cached_copy_prunes_old_ones(tmp_path, monkeypatch):
+    """Other schemas' and DuckDB versions' empty databases: the newest few are kept, and a
+    build left by a process that died long ago is removed; a recent build is not."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("FORENSICS_CACHE", str(cache))
+    now = time.time()
+    old = []
+    for i in range(store.KEEP_TEMPLATES + 2):  # empty-0 is the newest
+        p = cache / f"empty-{i:020d}-duckdb0.{i}.duckdb"
+        p.write_bytes(b"x")
+        os.utime(p, (now - 100 * (i + 1), now - 100 * (i + 1)))
+        old.append(p)
+    dead, busy = cache / "empty-dead.duckdb.1.2.tmp", cache / "empty-busy.duckdb.3.4.tmp"
+    for p, age in ((dead, 2 * store._STALE_BUILD_S), (busy, 10)):
+        p.write_bytes(b"x")
+        os.utime(p, (now - age, now - age))
+    unrelated = cache / "notes.txt"
+    unrelated.write_text("mine")
+    Store(str(tmp_path / "a.duckdb")).close()
+    left = {p.name for p in cache.iterdir()}
+    assert left == {Path(store.template_path()).name, busy.name, unrelated.name,
+                    *(p.name for p in old[: store.KEEP_TEMPLATES - 1])}
+    Store(str(tmp_path / "b.duckdb")).close()  # a copy made from the cache prunes nothing
+    assert {p.name for p in cache.iterdir()} == left
 
 
 def test_a_cache_that_cannot_be_written_only_costs_time(tmp_path, monkeypatch):
