@@ -7,13 +7,9 @@ kind of log it is (shown in the ingest summary and the ``files`` table).
 """
 from __future__ import annotations
 
-import io
 import re
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO
-
-from .gunzip import GunzipReader
 
 from parsers import ray_logs, torchrun
 
@@ -169,9 +165,3 @@ def detect(path: str, rel: str, size: int) -> Detected:
     head, compressed = read_head(path)
     return sniff(rel, head, compressed, size)
 
-
-def gunzip(raw: BinaryIO) -> io.RawIOBase:
-    """The decompressed content of the gzip stream ``raw``, read as it goes. Corrupt or
-    cut-off data raises one of ``parsers.base.DECOMPRESS_ERRORS`` when the read gets to
-    it, after all the data before it."""
-    return GunzipReader(raw)

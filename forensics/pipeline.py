@@ -40,6 +40,7 @@ import parsers
 from parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows
 
 from . import detect as det
+from .gunzip import GunzipReader
 from .store import FILES, PROBLEMS, JsonRowsRefused, SettingError, Store, apply_setting, set_memory_limit, write_part
 
 BUNDLE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip")
@@ -322,7 +323,7 @@ class _ReadGuard:
         while got < n:
             try:
                 block = self._step(n - got)
-            except DECOMPRESS_ERRORS as exc:
+            except (OSError, *DECOMPRESS_ERRORS) as exc:  # a read error of the file too
                 self.error = exc
                 self.ctx.truncated = True
                 self.ctx.problem(f"stopped reading after {self.pos + got:,} byte(s): {exc.__class__.__name__}: {exc}; "
@@ -373,7 +374,7 @@ def parse_one(task: FileTask, spool: str, debug: bool = False, direct: bool = Fa
                     reader.count = 0
                     task.start_line, task.start_offset, task.replace_from_line = 1, 0, None
                     ctx.start_line, ctx.start_offset = 1, 0
-            inner = det.gunzip(reader) if d.compressed else reader
+            inner = GunzipReader(reader) if d.compressed else reader
             stream = _ReadGuard(inner, ctx)
             _spool(parse(stream, ctx), spool, f"{task.file_id}", parts, handed)
             # read what the parser left, so the hash covers the whole file

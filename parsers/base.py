@@ -18,6 +18,7 @@ error too.
 """
 from __future__ import annotations
 
+import gzip
 import zlib
 from dataclasses import dataclass, field
 from typing import Iterator, Union
@@ -26,11 +27,11 @@ import polars as pl
 import pyarrow as pa
 from isal import isal_zlib
 
-# What reading a gzip stream raises when its data is cut off (EOFError) or corrupt
-# (gzip.BadGzipFile is an OSError; ISA-L's decoder raises its own error, zlib's
-# decompressobj zlib.error). A parser reading a possibly compressed stream treats these
-# as the end of the data and reports a truncation.
-DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (EOFError, OSError, zlib.error, isal_zlib.error)
+# What reading a gzip stream raises when its data is cut off (EOFError) or is not gzip
+# data or corrupt (gzip.BadGzipFile; ISA-L's inflate raises its own error, zlib's
+# zlib.error). A parser reading a possibly compressed stream treats these as the end of
+# the data and reports a truncation.
+DECOMPRESS_ERRORS: tuple[type[BaseException], ...] = (EOFError, gzip.BadGzipFile, zlib.error, isal_zlib.error)
 
 Frame = Union[pl.DataFrame, pa.Table, pa.RecordBatch]
 ParseOutput = Iterator[tuple[str, Frame]]
