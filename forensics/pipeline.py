@@ -861,6 +861,11 @@ def ingest(
             raise
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()
+        # the parsers are done: the closing checkpoint (rows still in the WAL compressed
+        # into the tables) may use the cores they had (measured on 315 MB of logs: 2.0-2.7 s
+        # of wall time instead of 2.6-3.3)
+        (threads_now,) = store.con.execute("SELECT current_setting('threads')").fetchone()
+        store.con.execute(f"SET threads = {max(workers, int(threads_now))}")
     finally:
         store.close()
         shutil.rmtree(tmp_root, ignore_errors=True)
