@@ -37,7 +37,7 @@ import polars as pl
 import pyarrow as pa
 
 import parsers
-from parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows
+from parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows, Stopped
 
 from . import detect as det
 from .gunzip import GunzipReader
@@ -340,15 +340,17 @@ class _ReadGuard:
         return True
 
 
-def parse_one(task: FileTask, spool: str, debug: bool = False, direct: bool = False) -> FileResult:
+def parse_one(task: FileTask, spool: str, debug: bool = False, direct: bool = False,
+              stopping: Callable[[], bool] | None = None) -> FileResult:
     """Parse one file into Arrow IPC parts under ``spool``; ``direct``: the parser may also
     hand rows over as :class:`JsonArrayRows` (files in ``spool`` too). Never raises, except
-    :class:`IngestError` (the spool cannot be written)."""
+    :class:`IngestError` (the spool cannot be written) and :class:`parsers.base.Stopped`
+    (``stopping()`` became true during a long read)."""
     d = task.detected
     ctx = FileContext(
         file_id=task.file_id, path=task.rel, size=task.size, fmt=d.format,
         start_line=task.start_line, start_offset=task.start_offset,
-        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor, scratch=spool if direct else None,
+        node=d.node, pid=d.pid, rank=d.rank, actor=d.actor, scratch=spool if direct else None, stopping=stopping,
     )
     parts: dict[str, list[str]] = {}
     handed: list[JsonArrayRows] = []
@@ -462,18 +464,29 @@ def direct(task: FileTask) -> bool:
             and os.environ.get("FORENSICS_DIRECT", "1") != "0")
 
 
-def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) -> JobResult:
+def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur,
+               stopping: Callable[[], bool] | None = None) -> JobResult:
     """Parse a direct file (in a thread of the ingest) and load it on ``cur``, a cursor of
     ``store`` (which the caller closes): the rows its parser handed over, its other rows,
     problems and ``files`` row, in one transaction. When DuckDB does not give exactly the
     rows the parser would (see :meth:`Store.insert_json_rows`), the transaction is
-    rolled back and the file parsed the usual way, here, for ``finish`` to load."""
+    rolled back and the file parsed the usual way, here, for ``finish`` to load.
+
+    Once ``stopping()`` is true (the ingest is being interrupted), it raises
+    :class:`parsers.base.Stopped` at the next step instead of going on: the copy stops,
+    no insert starts (an insert already running is interrupted by the caller), and nothing
+    is committed; the caller rolls back what the transaction holds."""
+    def check() -> None:
+        if stopping is not None and stopping():
+            raise Stopped(f"{task.rel}: the ingest is being stopped")
+
     (task,) = job
-    res = parse_one(task, spool, debug, direct=True)
+    res = parse_one(task, spool, debug, direct=True, stopping=stopping)
     if not res.handed:  # the parser decoded it itself (cut off, unusual layout) or failed
         return JobResult([res], _kept_parts([res]))
     loaded = IngestSummary()
     try:
+        check()
         cur.execute("BEGIN TRANSACTION")
         for h in res.handed:
             loaded.rows_added[h.table] = loaded.rows_added.get(h.table, 0) + store.insert_json_rows(h, cur)
@@ -485,9 +498,13 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur) 
             again.problems.append({"file_id": task.file_id, "line_no": None, "kind": "warning",
                                    "message": f"(--debug) DuckDB's JSON reader did not take it ({exc}); parsed the usual way"})
         return JobResult([again], _kept_parts([again]))
+    except BaseException:  # stopped, interrupted, failed: its other rows go too
+        _drop_parts(res.parts)
+        raise
     finally:
         _drop_handed(res.handed)
     try:
+        check()
         row, problem_rows = _load(store, res, loaded, debug)
         for name, n in store.insert_parts(res.parts, con=cur).items():
             loaded.rows_added[name] = loaded.rows_added.get(name, 0) + n
@@ -853,7 +870,8 @@ def ingest(
         jobs = [job for job, d in zip(jobs, is_direct) if not d]
         try:
             _run_jobs(jobs, spool, workers, debug, finish, idle=store.finish_schema, direct_jobs=direct_jobs,
-                      run_direct=lambda job, cur: run_direct(job, spool, debug, store, cur), cursor=store.con.cursor)
+                      run_direct=lambda job, cur, stopping: run_direct(job, spool, debug, store, cur, stopping),
+                      cursor=store.con.cursor)
             batch.close()
             store.finish_schema()  # when there was nothing to parse
         except BaseException:
@@ -938,10 +956,11 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
     is run once in the main process before the first ``finish``: in the pool case while
     the first jobs are being parsed.
 
-    ``direct_jobs`` are run by ``run_direct(job, cursor())`` in up to ``workers`` threads of
-    this process, side by side: they load their rows themselves, each on a cursor of its
-    own (made and closed here, in the main thread). Jobs that would have run in this
-    process run in those threads too."""
+    ``direct_jobs`` are run by ``run_direct(job, cursor(), stopping)`` in up to ``workers``
+    threads of this process, side by side: they load their rows themselves, each on a
+    cursor of its own (made and closed here, in the main thread); ``stopping()`` turns true
+    when the jobs are being stopped. Jobs that would have run in this process run in those
+    threads too."""
     direct_jobs = list(direct_jobs)
     use_pool = workers > 1 and len(jobs) > 1
     if not direct_jobs and not use_pool:
@@ -955,6 +974,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
     queues = {"direct": (iter(direct_jobs), max(1, min(workers, len(direct_jobs)))),
               "pool" if use_pool else "thread": (iter(jobs), workers * 2 if use_pool else 1)}
     kinds: dict[Future, str] = {}
+    stop = threading.Event()  # set on an interrupt or failure: direct jobs stop at their next step
 
     def submit(kind: str) -> None:
         it, limit = queues[kind]
@@ -965,7 +985,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             return
         if kind == "direct":
             cur = cursor()
-            fut = threads.submit(run_direct, job, cur)
+            fut = threads.submit(run_direct, job, cur, stop.is_set)
             in_flight[fut] = cur
         elif kind == "pool":
             fut = pool.submit(parse_job, job, spool, debug)
@@ -1001,6 +1021,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
                 submit(kind)
     except BaseException:
         # interrupted or failed: stop DuckDB's reads, drop the jobs not started; the running ones end soon
+        stop.set()
         for cur in in_flight.values():
             cur.interrupt()
         for executor in (pool, threads):

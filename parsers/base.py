@@ -21,7 +21,7 @@ from __future__ import annotations
 import gzip
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import polars as pl
 import pyarrow as pa
@@ -124,6 +124,12 @@ class JsonArrayRows:
     select: str
 
 
+class Stopped(BaseException):
+    """The ingest is being stopped (``FileContext.stopping`` said so): nothing of the file
+    is kept. A BaseException, as KeyboardInterrupt is, so that no parser's error handling
+    takes it for a fault of the file."""
+
+
 @dataclass
 class Problem:
     message: str
@@ -146,6 +152,7 @@ class FileContext:
     rank: int | None = None  # global rank hinted by the path
     actor: str | None = None  # Ray actor class / role hinted by the file
     scratch: str | None = None  # a folder where the parser may leave JsonArrayRows files (None: it yields frames)
+    stopping: Callable[[], bool] | None = None  # True once the ingest is being stopped: a long read may raise Stopped
     problems: list[Problem] = field(default_factory=list)
     lines: int = 0  # physical lines seen (set by the parser)
     unparsed_lines: int = 0  # lines no line-format recognised (set by text parsers)

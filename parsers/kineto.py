@@ -53,7 +53,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from .base import DECOMPRESS_ERRORS, FILE_ID, FileContext, JsonArrayRows, LINE_NO, ParseOutput, Table, col
+from .base import DECOMPRESS_ERRORS, FILE_ID, FileContext, JsonArrayRows, LINE_NO, ParseOutput, Stopped, Table, col
 
 TRACE_EVENTS = Table(
     "trace_events",
@@ -1037,6 +1037,11 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
     hold = bytearray()  # the last bytes, not written yet: the end of the array is in them
     with open(path, "wb") as out:
         while True:
+            if ctx.stopping is not None and ctx.stopping():
+                lw.writer.close()
+                out.close()
+                _remove_files(path, lines_path)
+                raise Stopped(f"{ctx.path}: stopped while copying its events")
             nxt = _read_about(reader, SPOOL_READ)
             # the last len(sep) - 1 bytes may begin a separator that the next read completes
             keep = len(window) if not nxt else max(0, len(window) - (len(sep) - 1))
@@ -1069,6 +1074,12 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
         out.write(hold)
     os.unlink(lines_path)  # of no use to the decoder, which finds the lines itself
     return None, b"", path
+
+
+def _remove_files(*paths: str) -> None:
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
 
 
 def _read_about(reader: SafeReader, n: int) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -370,4 +371,65 @@ def test_an_interrupted_load_is_not_taken_for_a_refusal(tmp_path):
         st.insert_json_rows(handed, Stopped())
     with pytest.raises(JsonRowsRefused, match="malformed JSON"):
         st.insert_json_rows(handed, Broken())
+    st.close()
+
+
+def _direct_task(trace: Path) -> pipeline.FileTask:
+    from forensics import detect
+
+    d = detect.detect(str(trace), trace.name, trace.stat().st_size)
+    assert d.format == "kineto_trace"
+    return pipeline.FileTask(1, str(trace.parent), trace.name, str(trace), trace.stat().st_size, 0.0, d)
+
+
+@pytest.mark.parametrize("stop_after", [0, 2, "insert"])
+def test_a_stopped_direct_load_keeps_nothing(tmp_path, monkeypatch, stop_after):
+    """Ctrl-C during a direct load: the copy stops at its next window (0: before the
+    first; 2: after two), or no insert starts once it is done; nothing is committed and
+    nothing is left in the spool."""
+    from parsers import kineto
+    from parsers.base import Stopped
+
+    src = tmp_path / "in" / "rank0.big.pt.trace.json"
+    src.parent.mkdir()
+    events = json.loads(TINY.read_text())["traceEvents"]
+    src.write_text(json.dumps({"traceEvents": events * 2000}, indent=1))  # beyond the parser's first read
+    monkeypatch.setattr(kineto, "SPOOL_READ", 4096)  # many windows
+    asked = []
+
+    def stopping() -> bool:
+        caller = sys._getframe(1).f_globals["__name__"]
+        asked.append(caller)
+        if stop_after == "insert":  # only once the copy is done: the pipeline's checks
+            return caller == "forensics.pipeline"
+        return len(asked) > stop_after
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    st = Store(str(tmp_path / "x.duckdb"))
+    cur = st.con.cursor()
+    with pytest.raises(Stopped):
+        pipeline.run_direct([_direct_task(src)], str(spool), False, st, cur, stopping)
+    cur.close()
+    assert list(spool.iterdir()) == []
+    assert st.con.execute("SELECT (SELECT count(*) FROM trace_events), (SELECT count(*) FROM files)").fetchone() == (0, 0)
+    if stop_after == "insert":
+        assert asked.count("parsers.kineto") > 2 and asked[-1] == "forensics.pipeline"  # copied, then stopped
+    else:
+        assert asked == ["parsers.kineto"] * (stop_after + 1)  # stopped at the first check that said so
+    st.close()
+
+
+def test_a_direct_load_not_stopped_is_whole(tmp_path):
+    src = tmp_path / "in" / TINY.name
+    src.parent.mkdir()
+    shutil.copy(TINY, src)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    st = Store(str(tmp_path / "x.duckdb"))
+    cur = st.con.cursor()
+    res = pipeline.run_direct([_direct_task(src)], str(spool), False, st, cur, lambda: False)
+    cur.close()
+    assert res.loaded is not None and res.loaded.rows_added["trace_events"] == 15
+    assert st.con.execute("SELECT (SELECT count(*) FROM trace_events), (SELECT count(*) FROM files)").fetchone() == (15, 1)
     st.close()
