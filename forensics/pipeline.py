@@ -1024,6 +1024,8 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
         stop.set()
         for cur in in_flight.values():
             cur.interrupt()
+        if alive_w is not None:  # the parser processes see it and exit: a big file's parse is not waited for
+            alive_w.close()
         for executor in (pool, threads):
             if executor is not None:
                 executor.shutdown(wait=True, cancel_futures=True)
@@ -1036,7 +1038,7 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
                 executor.shutdown(wait=True)
     finally:
         for end in (alive_r, alive_w):
-            if end is not None:
+            if end is not None and not end.closed:
                 end.close()
 
 

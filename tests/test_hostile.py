@@ -993,6 +993,44 @@ def test_interrupted_ingest_resumes_without_duplicates(tmp_path, monkeypatch, gz
     assert_complete(db, gz_folder, GZ_FILES)
 
 
+def test_interrupt_does_not_wait_for_a_big_files_parse(tmp_path):
+    """Ctrl-C while a parser process is in the middle of a big log: the ingest ends at once
+    (the parser processes are told to exit), not when that file's parse is done."""
+    folder = tmp_path / "big"
+    folder.mkdir()
+    block = b"".join(f"(TaskRunner pid=4242) step:{i} - actor/loss:0.{i:04d} - actor/lr:1e-06 - perf/mfu:0.41\n"
+                     f"(WorkerDict pid=77, ip=10.0.0.2) [rank{i % 8}]:[W312 10:00:{i % 60:02d}.5 ProcessGroupNCCL.cpp:1500] NCCL INFO step {i}\n".encode()
+                     for i in range(5_000))
+    with open(folder / "driver.log", "wb") as fh:
+        for _ in range(80 << 20 // len(block)):  # ~80 MB: several CPU seconds of parsing (4 s left to wait before)
+            fh.write(block)
+    (folder / "small.log").write_bytes(block[:10_000])
+    db = tmp_path / "b.duckdb"
+    proc = psutil.Popen([sys.executable, "-m", "forensics", "ingest", str(folder), "--db", str(db), "-q"],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    deadline = time.time() + 120
+    busy = 0.0
+    while busy < 1.0:  # a parser process has been at it for a second
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.time() < deadline, "no parser process got busy"
+        time.sleep(0.1)
+        busy = 0.0
+        for child in proc.children(recursive=True):
+            try:
+                busy = max(busy, child.cpu_times().user)
+            except psutil.Error:
+                pass
+    workers = proc.children(recursive=True)
+    t0 = time.time()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - t0
+    assert proc.returncode == 130 and "interrupted" in err.decode(), err.decode()[-2000:]
+    assert took < 3.0, f"the interrupted ingest took {took:.1f} s to end"
+    gone, alive = psutil.wait_procs(workers, timeout=15)
+    assert not alive, "parser processes outlived their ingest"
+
+
 def test_two_ingests_into_one_database(tmp_path, gz_folder):
     db = tmp_path / "c.duckdb"
     first, go, tmpdir, _ = start_paused(tmp_path, gz_folder, db, after=10)
