@@ -40,6 +40,7 @@ DB_OPTION = typer.Option("forensics.duckdb", "--db", help="DuckDB database file.
 class State:
     debug = False
     interrupted = False  # SIGINT/SIGTERM came (DuckDB and Arrow report it as errors of their own)
+    told = False  # an error message was printed (_fail)
 
 
 @app.callback()
@@ -59,6 +60,7 @@ def _shown(text: str) -> str:
 
 def _fail(message: str, code: int = 2) -> None:
     err.print(f"[red]error:[/red] {_shown(message)}", markup=True, highlight=False)
+    State.told = True
     raise typer.Exit(code)
 
 
@@ -213,6 +215,8 @@ def query(
     try:
         df = run.sql(sql)
     except Exception as exc:  # duckdb errors: syntax, missing table, ...
+        if State.interrupted:  # Ctrl-C, which DuckDB reports as an error of its own
+            raise KeyboardInterrupt from None
         if State.debug:
             raise
         _fail(f"{exc.__class__.__name__}: {exc}")
@@ -407,11 +411,19 @@ def evaluate(
 
 def main() -> None:
     try:
-        app()
+        with _interruptible():
+            app()
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as exc:
+        if exc.code == 130 and State.interrupted and not State.told:  # typer ends a KeyboardInterrupt silently
+            err.print("interrupted")
+        raise
     except Exception as exc:
+        if State.interrupted:  # DuckDB (a query in any thread) turns Ctrl-C into an error of its own
+            err.print("interrupted")
+            sys.exit(130)
         if State.debug or os.environ.get("FORENSICS_DEBUG"):
             raise
         err.print(f"[red]internal error:[/red] {_shown(f'{exc.__class__.__name__}: {exc}')} (run with --debug for the traceback)", markup=True, highlight=False)

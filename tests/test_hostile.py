@@ -1031,6 +1031,32 @@ def test_interrupt_does_not_wait_for_a_big_files_parse(tmp_path):
     assert not alive, "parser processes outlived their ingest"
 
 
+@pytest.mark.parametrize("command", ["query", "diagnose"])
+def test_interrupting_a_long_query_is_an_interrupt_not_an_internal_error(tmp_path, command):
+    """DuckDB turns Ctrl-C during a query (in the main thread or another) into an error of
+    its own: the command must still end as interrupted (130), not as an internal error."""
+    db = tmp_path / "q.duckdb"
+    pipeline.ingest([str(FOUNDATION)], str(db), workers=1)
+    slow = "SELECT count(*) FROM range(10000000000) t(i) WHERE i % 7 = 3"
+    if command == "query":
+        argv = ["-m", "forensics", "query", slow, "--db", str(db)]
+    else:  # a diagnosis made slow: DuckDB's error reaches the command's caller
+        argv = ["-c", "import duckdb, sys; from forensics import cli, diagnose as dg; "
+                f"dg.diagnose = lambda *a, **k: duckdb.connect().execute({slow!r}).fetchall(); "
+                "sys.argv = ['forensics', 'diagnose', '--db', sys.argv[1]]; cli.main()", str(db)]
+    proc = psutil.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    deadline = time.time() + 120
+    while sum(proc.cpu_times()[:2]) < 3.0:  # started (~1 CPU s) and well into the query (~50 CPU s)
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.time() < deadline, "the command did not get into its query"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    err = err.decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "internal error" not in err and "Traceback" not in err, err[-2000:]
+
+
 def test_two_ingests_into_one_database(tmp_path, gz_folder):
     db = tmp_path / "c.duckdb"
     first, go, tmpdir, _ = start_paused(tmp_path, gz_folder, db, after=10)
