@@ -213,23 +213,24 @@ _STALE_BUILD_S = 3600  # a template build older than this was left by a process 
 def _prune_templates(current: str) -> list[str]:
     """Remove cached empty databases of other schemas or DuckDB versions beyond the
     :data:`KEEP_TEMPLATES` - 1 most recently made ones, and builds left by processes that
-    died; return what was removed. A file that cannot be removed (another process removed
-    it first, or has it open where that prevents removal) is left for a later prune."""
+    died; return what was removed. Never raises: a file that cannot be removed (another
+    process removed it first, or has it open where that prevents removal), or a folder
+    that cannot be listed, is left for a later prune; a stale cache file harms nothing."""
     folder = os.path.dirname(current)
     now = time.time()
     others, removed = [], []
-    with os.scandir(folder) as entries:
-        for e in entries:
-            if not (e.name.startswith("empty-") and e.is_file()) or e.path == current:
-                continue
-            try:
+    try:
+        with os.scandir(folder) as entries:
+            for e in entries:
+                if not (e.name.startswith("empty-") and e.is_file()) or e.path == current:
+                    continue
                 mtime = e.stat().st_mtime
-            except OSError:  # removed meanwhile
-                continue
-            if e.name.endswith(".duckdb"):
-                others.append((mtime, e.path))
-            elif e.name.endswith((".tmp", ".tmp.wal")) and now - mtime > _STALE_BUILD_S:
-                removed.append(e.path)
+                if e.name.endswith(".duckdb"):
+                    others.append((mtime, e.path))
+                elif e.name.endswith((".tmp", ".tmp.wal")) and now - mtime > _STALE_BUILD_S:
+                    removed.append(e.path)
+    except OSError:  # see the docstring
+        return []
     removed += [p for _, p in sorted(others, reverse=True)[KEEP_TEMPLATES - 1:]]
     gone = []
     for p in removed:
@@ -237,7 +238,7 @@ def _prune_templates(current: str) -> list[str]:
             os.unlink(p)
             gone.append(p)
         except OSError:
-            pass  # see the docstring: left for a later prune, and a stale cache file harms nothing
+            pass  # see the docstring
     return gone
 
 

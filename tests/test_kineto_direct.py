@@ -433,3 +433,18 @@ def test_a_direct_load_not_stopped_is_whole(tmp_path):
     assert res.loaded is not None and res.loaded.rows_added["trace_events"] == 15
     assert st.con.execute("SELECT (SELECT count(*) FROM trace_events), (SELECT count(*) FROM files)").fetchone() == (15, 1)
     st.close()
+
+
+def test_pruning_an_unlistable_cache_does_not_stop_the_copy(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORENSICS_CACHE", str(tmp_path / "cache"))
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(store.os, "scandir", refuse)
+    assert store._prune_templates(str(tmp_path / "cache" / "empty-x.duckdb")) == []
+    assert store._start_from_template(str(tmp_path / "a.duckdb"))  # built, pruned nothing, copied
+    Store(str(tmp_path / "a.duckdb")).close()
+    Store(str(tmp_path / "b.duckdb"), _template=False).close()
+    assert _views(str(tmp_path / "a.duckdb")) == _views(str(tmp_path / "b.duckdb")) != []
+    assert Path(store.template_path()).is_file()
