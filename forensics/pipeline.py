@@ -102,11 +102,16 @@ class IngestSummary:
     seconds: float = 0.0
     db: str = ""
 
+    def count_rows(self, table: str, n: int) -> None:
+        """``n`` more rows added to ``table``."""
+        self.rows_added[table] = self.rows_added.get(table, 0) + n
+
     def add(self, other: "IngestSummary") -> None:
         """Count what ``other`` (one file's accounting) counted, too."""
-        for mine, theirs in ((self.files_by_format, other.files_by_format), (self.rows_added, other.rows_added)):
-            for k, v in theirs.items():
-                mine[k] = mine.get(k, 0) + v
+        for k, v in other.files_by_format.items():
+            self.files_by_format[k] = self.files_by_format.get(k, 0) + v
+        for k, v in other.rows_added.items():
+            self.count_rows(k, v)
         for name in ("unparsed_lines", "files_seen", "files_loaded", "files_unchanged", "files_grown", "bytes_read"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.messages.extend(other.messages)
@@ -489,7 +494,7 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur,
         check()
         cur.execute("BEGIN TRANSACTION")
         for h in res.handed:
-            loaded.rows_added[h.table] = loaded.rows_added.get(h.table, 0) + store.insert_json_rows(h, cur)
+            loaded.count_rows(h.table, store.insert_json_rows(h, cur))
     except JsonRowsRefused as exc:
         cur.execute("ROLLBACK")
         _drop_parts(res.parts)
@@ -507,14 +512,14 @@ def run_direct(job: list[FileTask], spool: str, debug: bool, store: Store, cur,
         check()
         row, problem_rows = _load(store, res, loaded, debug)
         for name, n in store.insert_parts(res.parts, con=cur).items():
-            loaded.rows_added[name] = loaded.rows_added.get(name, 0) + n
+            loaded.count_rows(name, n)
         store.insert_rows(PROBLEMS, problem_rows, con=cur)
         store.insert_rows(FILES, [row], con=cur)
         cur.execute("COMMIT")
     finally:
         _drop_parts(res.parts)
     for name, n in ((PROBLEMS.name, len(problem_rows)), (FILES.name, 1)):
-        loaded.rows_added[name] = loaded.rows_added.get(name, 0) + n
+        loaded.count_rows(name, n)
     return JobResult([res], {}, loaded=loaded)
 
 
@@ -811,7 +816,7 @@ def ingest(
                     store.record_skipped(row)
                 store.commit()
                 new_rows = sum(1 for row in skipped_rows if row["file_id"] >= first_new_id)
-                summary.rows_added[FILES.name] = summary.rows_added.get(FILES.name, 0) + new_rows
+                summary.count_rows(FILES.name, new_rows)
             except BaseException:
                 store.rollback()
                 raise
@@ -854,7 +859,7 @@ def ingest(
             # a changed or grown file's row is replaced, not added
             counts[FILES.name] = counts.get(FILES.name, 0) + sum(1 for res in job.results if res.task.is_new)
             for k, v in counts.items():
-                summary.rows_added[k] = summary.rows_added.get(k, 0) + v
+                summary.count_rows(k, v)
             batch.add(len(job.results), sum(counts.values()), sum(sizes[p] for paths_ in pieces[-1].values() for p in paths_))
             for paths_ in job.parts.values():
                 for p in paths_:

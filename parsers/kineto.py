@@ -1038,7 +1038,7 @@ def spool_events(reader: SafeReader, buf: bytearray, pos: int, ctx: FileContext,
     with open(path, "wb") as out:
         while True:
             if ctx.stopping is not None and ctx.stopping():
-                lw.writer.close()
+                lw.close(None)
                 out.close()
                 _remove_files(path, lines_path)
                 raise Stopped(f"{ctx.path}: stopped while copying its events")
