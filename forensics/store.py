@@ -130,8 +130,27 @@ def _duck_type(t: pa.DataType) -> str:
     raise TypeError(f"no DuckDB type for {t}")
 
 
+# Columns stored with zstd instead of the compression DuckDB picks by analysing each
+# segment. They hold long, varied text (every log line twice; each trace event's args):
+# DuckDB's analysis of them cost more than the compression itself. Measured with one
+# DuckDB thread, insert + commit (bench/README.md, "Sixth session"):
+# - 1.6M `lines` rows: 6.6-7.1 CPU s and 247 MiB -> 2.9-4.3 s and 100 MiB;
+# - one trace's 388k `trace_events` rows: 0.71-0.83 CPU s -> 0.57-0.69 s, 14.1 -> 9.5 MiB;
+# a regular expression over all of `lines.text` is as fast. Short or repetitive text
+# (metric values, names, categories) stays with DuckDB's choice: zstd made it bigger.
+COLUMN_COMPRESSION = {
+    ("lines", "text"): "zstd",
+    ("lines", "message"): "zstd",
+    ("trace_events", "args"): "zstd",
+}
+
+
 def ddl(table: Table) -> str:
-    cols = ", ".join(f'"{c.name}" {_duck_type(c.type)}' for c in table.columns)
+    def column(c) -> str:
+        method = COLUMN_COMPRESSION.get((table.name, c.name))
+        return f'"{c.name}" {_duck_type(c.type)}' + (f" USING COMPRESSION {method}" if method else "")
+
+    cols = ", ".join(column(c) for c in table.columns)
     return f'CREATE TABLE IF NOT EXISTS "{table.name}" ({cols})'
 
 

@@ -61,6 +61,18 @@ def test_fixture_line_accounting(fixture_db):
     assert check_line_accounting(FOUNDATION, fixture_db) >= 8
 
 
+def test_long_text_columns_are_stored_with_zstd(fixture_db):
+    from forensics.store import COLUMN_COMPRESSION, all_tables
+
+    columns = {(t.name, c.name) for t in all_tables() for c in t.columns}
+    assert set(COLUMN_COMPRESSION) <= columns
+    con = duckdb.connect(str(fixture_db), read_only=True)
+    used = dict(con.execute("""SELECT column_name, string_agg(DISTINCT compression, ',')
+                               FROM pragma_storage_info('lines') WHERE segment_type = 'VARCHAR' GROUP BY 1""").fetchall())
+    assert used["text"] == used["message"] == "ZSTD"
+    assert used["actor"] != "ZSTD"  # the others keep DuckDB's choice
+
+
 def test_fixture_formats(fixture_db):
     fmts = dict(rows(fixture_db, "SELECT path, format FROM files"))
     assert fmts["driver.log"] == "driver"

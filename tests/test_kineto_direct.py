@@ -44,6 +44,22 @@ def outcomes(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def typed_reads(monkeypatch):
+    """The ``typed`` of every SELECT the direct path made (wraps kineto.events_select)."""
+    from parsers import kineto
+
+    seen: list[bool] = []
+    real = kineto.events_select
+
+    def watched(array_path, lines_path, st, typed=False):
+        seen.append(typed)
+        return real(array_path, lines_path, st, typed)
+
+    monkeypatch.setattr(kineto, "events_select", watched)
+    return seen
+
+
 def ingest_both(folder: Path, tmp_path: Path, monkeypatch, workers: int = 2) -> tuple[str, str]:
     """The folder ingested with the direct path and without it: the two databases."""
     dbs = []
@@ -146,30 +162,90 @@ def test_other_layouts(layout, outcome, tmp_path, monkeypatch, outcomes):
 FINE = {"ph": "X", "cat": "cpu_op", "name": "fine", "pid": 1, "tid": 2, "ts": 1.0, "dur": 2.0, "args": {"External id": 1}}
 
 
-@pytest.mark.parametrize("odd", [
-    {"ph": "X", "ts": "1.5"},  # a number as text
-    {"ph": "X", "dur": True},
-    {"ph": "X", "id": 1.0},  # a fraction for an integer
-    {"ph": "X", "id": 1e3},
-    {"ph": "X", "args": {"External id": 5.5}},
-    {"ph": "X", "args": {"External id": "5"}},
-    {"ph": "X", "args": {"device": 2 ** 31}},  # beyond 32 bits
-    {"ph": "X", "args": {"correlation": 2 ** 63}},  # beyond 64 bits
-    {"ph": "X", "args": {"Collective name": 5}},
-    {"ph": "X", "args": {"external id": 2.5}},
-    {"ph": "X", "args": [1]},
-    {"ph": "X", "name": 3},
-    {"ph": 1},
-    {"ph": "X", "pid": True},
-    {"ph": "X", "pid": 1.5},  # fine for the decoder, written as it writes it
-    {},  # nothing the reader reads: cannot be told from a missing row
-    {"s": "g"},
+# Events that the direct path must load with the decoder's rows ("loaded"), or hand back
+# to it ("refused"). typed: whether the top-level fields can still be read with their own
+# types (TypedFields); when not, the SELECT's checks find the odd field.
+@pytest.mark.parametrize("event, typed, outcome", [
+    ({"ph": "X", "ts": "1.5"}, False, "refused"),  # a number as text
+    ({"ph": "X", "dur": True}, False, "refused"),
+    ({"ph": "X", "ts": None, "dur": "x"}, False, "refused"),
+    ({"ph": "X", "id": 1.0}, True, "refused"),  # a fraction for an integer
+    ({"ph": "X", "id": 1e3}, True, "refused"),
+    ({"ph": "X", "args": {"External id": 5.5}}, True, "refused"),
+    ({"ph": "X", "args": {"External id": "5"}}, True, "refused"),
+    ({"ph": "X", "args": {"device": 2 ** 31}}, True, "refused"),  # beyond 32 bits
+    ({"ph": "X", "args": {"correlation": 2 ** 63}}, True, "refused"),  # beyond 64 bits
+    ({"ph": "X", "args": {"Collective name": 5}}, True, "refused"),
+    ({"ph": "X", "args": {"external id": 2.5}}, True, "refused"),
+    ({"ph": "X", "args": [1]}, True, "refused"),
+    ({"ph": "X", "name": 3}, False, "refused"),
+    ({"ph": "X", "name": ["a"]}, False, "refused"),
+    ({"ph": "X", "cat": {"a": 1}}, False, "refused"),
+    ({"ph": 1}, False, "refused"),
+    ({"ph": "X", "pid": True}, False, "refused"),
+    ({"ph": "X", "pid": 1.5}, False, "refused"),  # fine for the decoder, written as it writes it
+    ({"ph": "X", "tid": 1e3}, False, "refused"),
+    ({"ph": "X", "tid": 2 ** 63}, False, "refused"),
+    ({"ph": "X", "pid": -0.0}, False, "refused"),
+    ({}, True, "refused"),  # nothing the reader reads: cannot be told from a missing row
+    ({"s": "g"}, True, "refused"),
+    ({"ph": "X", "name": None, "cat": None, "ts": None, "dur": None, "pid": None, "tid": None}, True, "loaded"),
+    ({"ph": "X", "name": "", "pid": "Spans", "tid": "PyTorch Profiler", "ts": -1.5, "dur": 0}, True, "loaded"),
+    ({"ph": "X", "cat": "kernel", "pid": 0, "tid": 7, "ts": 1.5e3, "dur": 12, "name": "ncclDevKernel_AllReduce"}, True, "loaded"),
+    ({"ph": "X", "cat": "kernel", "pid": "3", "tid": "stream 7", "ts": 2, "name": "k"}, True, "loaded"),
+    ({"ph": "X", "cat": "kernel", "pid": -1, "tid": -2, "ts": 2, "name": "Activity Buffer Request"}, True, "loaded"),
+    ({"ph": "X", "cat": "cpu_op", "pid": "-4", "tid": -999999999999999999, "ts": 2}, True, "loaded"),
+    ({"ph": "X", "cat": "gpu_memcpy", "pid": 10 ** 17, "tid": 999999999999999999, "ts": 123456789012.125}, True, "loaded"),
+    ({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}}, True, "loaded"),
+    ({"ph": "f", "id": 7, "pid": 1, "tid": 2, "ts": 3.25, "cat": "ac2g", "name": "ac2g", "bp": "e"}, True, "loaded"),
 ])
-def test_a_field_of_another_type_goes_back_to_the_decoder(odd, tmp_path, monkeypatch, outcomes):
-    trace_with([FINE, odd, FINE], folder=tmp_path / "prof")
+def test_events_of_every_type_give_the_decoders_rows(event, typed, outcome, tmp_path, monkeypatch, outcomes, typed_reads):
+    trace_with([FINE, event, FINE], folder=tmp_path / "prof")
     direct_db, usual_db = ingest_both(tmp_path / "prof", tmp_path, monkeypatch)
-    assert outcomes == ["refused"]
+    assert typed_reads == [typed]
+    assert outcomes == [outcome]
     assert differences(direct_db, usual_db) == NO_DIFFERENCE
+
+
+@pytest.mark.parametrize("text, typed", [
+    (b'{"ph": "X", "name": "a", "ts": 1.5, "pid": 1, "tid": "t"}', True),
+    (b'{"ph":"X","name":"a","ts":1.5,"pid":1}', True),  # minified
+    (b'{"ph": "X", "name": null, "ts": null, "pid": null}', True),
+    (b'{"ph": "X", "name" : "a"}', False),  # white space before a colon
+    (b'{"ph": "X", "name":  "a"}', False),  # more than one space after it
+    (b'{"ph": "X", "name":\n "a"}', False),
+    (b'{"ph": "X", "name": nul}', False),
+    (b'{"ph": "X", "name": "a\\u0062"}', False),  # any backslash
+    (b'{"ph": "X", "ts": -Infinity}', False),
+    (b'{"ph": "X", "ts": NaN}', False),
+    (b'{"ph": "X", "ts": true}', False),
+    (b'{"ph": "X", "dur": "1"}', False),
+    (b'{"ph": "X", "pid": 12.0}', False),
+    (b'{"ph": "X", "tid": 1E3}', False),
+    (b'{"ph": "X", "pid": 1234567890123456789}', False),
+    (b'{"ph": "X", "pid": -1, "tid": -123}', True),  # Kineto's pid of its "Activity Buffer Request" events
+    (b'{"ph": "X", "pid": -0}', False),
+    (b'{"ph": "X", "pid": -a}', False),
+    (b'{"ph": "X", "tid": -1.5}', False),
+    (b'{"ph": "X", "tid": -1234567890123456789}', False),
+    (b'{"ph": "X", "cat": false}', False),
+    (b'{"ph": "X", "name"' + b" " * 70 + b': 5}', False),  # a long run of white space, wherever the cut
+    (b'{"ph": "X", "args": {"name": 5}}', False),  # nested keys count too (only costs the typed read)
+    (b'{"ph": "X", "args": {"Collective name": 5, "graph": 1, "cats": 2}}', True),  # other keys do not
+])
+def test_typed_fields_are_told_from_the_bytes_at_any_cut(text, typed):
+    from parsers.kineto import TypedFields
+
+    doc = b"[\n  " + b",\n  ".join([text] * 3) + b"\n]"
+    for cut in range(len(doc) + 1):
+        check = TypedFields()
+        check.feed(doc[:cut])
+        check.feed(memoryview(doc)[cut:])
+        assert check.close() is typed, (cut, doc)
+    check = TypedFields()
+    for i in range(len(doc)):  # a byte at a time
+        check.feed(doc[i:i + 1])
+    assert check.close() is typed
 
 
 @pytest.mark.parametrize("text", [
