@@ -1013,17 +1013,19 @@ class _LineWriter:
 # ``"12"``), where the decoder above counts the event: text fields must be strings,
 # ``ts``/``dur`` numbers, ``pid``/``tid`` strings or integers (fewer than 19 digits, not
 # ``-0``; Kineto writes pid -1), each or null. Keys are matched at any depth (a nested ``"name": 5`` only
-# costs the typed read); a key with white space before its colon, a value more than one
-# space after it, and a run of 48 white space bytes are taken as a mismatch, so that no
-# match is longer than 50 bytes. Sound only on text without a backslash: then every
-# ``"`` delimits a string and no key is written with an escape.
+# costs the typed read); a key with white space before its colon and a value more than
+# one space after it are taken as a mismatch. Sound only on text without a backslash:
+# then every ``"`` delimits a string and no key is written with an escape.
 _NOT_NULL = r"| ?n[^u]| ?nu[^l]| ?nul[^l]"  # starts like null but is not (a value is at most one space away)
 _UNTYPED = re2.compile(
-    (r'"[ \t\r\n]+:|[ \t\r\n]{48}'
+    (r'"[ \t\r\n]+:'
      r'|"(?:ph|cat|name)":(?:[^ "n]| [^"n]' + _NOT_NULL + ")"
      r'|"(?:ts|dur)":(?:[^ \-0-9n]| [^\-0-9n]| ?-[^0-9]' + _NOT_NULL + ")"
      r'|"(?:pid|tid)":(?:[^ \-0-9"n]| [^\-0-9"n]| ?-[^1-9]| ?-?[0-9]{19}| ?-?[0-9]{1,18}[.eE]' + _NOT_NULL + ")").encode())
-_UNTYPED_REACH = 64  # bytes of the previous piece searched again: more than any match spans
+# bytes of the previous piece searched again: more than any match spans, but for the white
+# space before a colon, which is kept whole (up to _UNTYPED_SPACE bytes: more is a mismatch)
+_UNTYPED_REACH = 64
+_UNTYPED_SPACE = 4096
 
 
 class TypedFields:
@@ -1040,7 +1042,14 @@ class TypedFields:
         piece = self._tail + data
         if b"\\" in piece or _UNTYPED.search(piece) is not None:
             self.ok = False
-        self._tail = piece[-_UNTYPED_REACH:]
+            return
+        space = 0  # white space at the end: a key's `"` and its colon may be further apart
+        while space < len(piece) and piece[len(piece) - 1 - space] in _WS:
+            space += 1
+            if space > _UNTYPED_SPACE:
+                self.ok = False
+                return
+        self._tail = piece[-(space + _UNTYPED_REACH):]
 
     def close(self) -> bool:
         """Done: also looks at the last bytes once more with nothing after them."""

@@ -248,6 +248,15 @@ def test_typed_fields_are_told_from_the_bytes_at_any_cut(text, typed):
     assert check.close() is typed
 
 
+def test_typed_fields_give_up_on_white_space_they_cannot_keep():
+    from parsers.kineto import TypedFields
+
+    check = TypedFields()
+    check.feed(b'[{"ph": "X", "name"' + b" " * 5000)  # the colon may come in the next piece
+    check.feed(b': 5}]')
+    assert check.close() is False
+
+
 @pytest.mark.parametrize("text", [
     b'{"ph": "X", "name": "a"},\n  null,\n  {"ph": "X", "name": "b"}',  # an element that is not an object
     b'{"ph": "X", "name": "a"},\n  7,\n  {"ph": "X", "name": "b"}',
