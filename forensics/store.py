@@ -134,7 +134,8 @@ def _duck_type(t: pa.DataType) -> str:
 # segment. They hold long, varied text (every log line twice; each trace event's args):
 # DuckDB's analysis of them cost more than the compression itself. Measured with one
 # DuckDB thread, insert + commit (bench/README.md, "Sixth session"):
-# - 1.6M `lines` rows: 6.6-7.1 CPU s and 247 MiB -> 2.9-4.3 s and 100 MiB;
+# - the 6.0M `lines` rows of bench_ingest.py's 1 GB folder: 14.8 CPU s and 398 MiB ->
+#   10.5 s and 162 MiB;
 # - one trace's 388k `trace_events` rows: 0.71-0.83 CPU s -> 0.57-0.69 s, 14.1 -> 9.5 MiB;
 # a regular expression over all of `lines.text` is as fast. Short or repetitive text
 # (metric values, names, categories) stays with DuckDB's choice: zstd made it bigger.

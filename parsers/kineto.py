@@ -1012,10 +1012,10 @@ class _LineWriter:
 # with its column's type (``"12"`` read as DOUBLE is 12, ``12`` read as VARCHAR is
 # ``"12"``), where the decoder above counts the event: text fields must be strings,
 # ``ts``/``dur`` numbers, ``pid``/``tid`` strings or integers (fewer than 19 digits, not
-# ``-0``; Kineto writes pid -1), each or null. Keys are matched at any depth (a nested ``"name": 5`` only
-# costs the typed read); a key with white space before its colon and a value more than
-# one space after it are taken as a mismatch. Sound only on text without a backslash:
-# then every ``"`` delimits a string and no key is written with an escape.
+# ``-0``; Kineto writes pid -1), each or null. Keys are matched at any depth (a nested
+# ``"name": 5`` only costs the typed read); a key with white space before its colon and
+# a value more than one space after it are taken as a mismatch. Sound only on text
+# without a backslash: then every ``"`` delimits a string and no key has an escape.
 _NOT_NULL = r"| ?n[^u]| ?nu[^l]| ?nul[^l]"  # starts like null but is not (a value is at most one space away)
 _UNTYPED = re2.compile(
     (r'"[ \t\r\n]+:'
