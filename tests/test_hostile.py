@@ -1031,6 +1031,19 @@ def test_interrupt_does_not_wait_for_a_big_files_parse(tmp_path):
     assert not alive, "parser processes outlived their ingest"
 
 
+def interrupt_when(proc, ready, what: str, timeout: float) -> str:
+    """Send SIGINT to ``proc`` once ``ready()``; it must end as interrupted (130): its stderr."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+        assert time.time() < deadline, what
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 130, err[-2000:]
+    return err
+
+
 @pytest.mark.parametrize("command", ["query", "diagnose"])
 def test_interrupting_a_long_query_is_an_interrupt_not_an_internal_error(tmp_path, command):
     """DuckDB turns Ctrl-C during a query (in the main thread or another) into an error of
@@ -1045,15 +1058,8 @@ def test_interrupting_a_long_query_is_an_interrupt_not_an_internal_error(tmp_pat
                 f"dg.diagnose = lambda *a, **k: duckdb.connect().execute({slow!r}).fetchall(); "
                 "sys.argv = ['forensics', 'diagnose', '--db', sys.argv[1]]; cli.main()", str(db)]
     proc = psutil.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
-    deadline = time.time() + 120
-    while sum(proc.cpu_times()[:2]) < 3.0:  # started (~1 CPU s) and well into the query (~50 CPU s)
-        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
-        assert time.time() < deadline, "the command did not get into its query"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    err = err.decode()
-    assert proc.returncode == 130, err[-2000:]
+    # started (~1 CPU s) and well into the query (~50 CPU s)
+    err = interrupt_when(proc, lambda: sum(proc.cpu_times()[:2]) >= 3.0, "the command did not get into its query", 120)
     assert "interrupted" in err and "internal error" not in err and "Traceback" not in err, err[-2000:]
 
 
@@ -1249,3 +1255,35 @@ def test_restricted_unpickler_refuses_cached_extensions():
         fr.load_plain(pickle.dumps({"entries": []}, protocol=2))  # plain dumps still load
     finally:
         copyreg.remove_extension("builtins", "print", 0xF1)
+
+
+SLOW_IMPORT = """
+import pathlib, runpy, sys, time
+marker = pathlib.Path(sys.argv[1])
+
+class SlowDuckDB:  # the command's imports, held up where they take the longest
+    def find_spec(self, name, path=None, target=None):
+        if name == "duckdb":
+            marker.write_text("importing")
+            time.sleep(60)
+        return None
+
+sys.meta_path.insert(0, SlowDuckDB())
+sys.argv = ["forensics", "diagnose", "--db", sys.argv[2]]
+runpy.run_module("forensics", run_name="__main__")
+"""
+
+
+def test_interrupt_during_the_commands_imports_is_an_interrupt(tmp_path):
+    marker = tmp_path / "importing"
+    proc = psutil.Popen([sys.executable, "-c", SLOW_IMPORT, str(marker), str(tmp_path / "x.duckdb")],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
+    err = interrupt_when(proc, marker.exists, "the command did not get to its imports", 60)
+    assert err.strip() == "interrupted", err[-2000:]
+
+
+def test_the_package_imports_its_api_on_first_use():
+    script = ("import sys, forensics; light = 'duckdb' not in sys.modules; "
+              "assert callable(forensics.open) and 'duckdb' in sys.modules; print(light)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]
