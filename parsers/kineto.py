@@ -1170,7 +1170,7 @@ _ARGS_SQL = {"External id": "BIGINT", "correlation": "BIGINT", "device": "INTEGE
              "Process Group Description": "VARCHAR"}
 
 
-_JSON_FIELDS = ("ph", "cat", "name", "pid", "tid", "ts", "dur", "id", "args")  # read as JSON text
+_JSON_FIELDS = ("ph", "cat", "name", "pid", "tid", "ts", "dur", "id", "args")  # read as JSON text (unless typed)
 
 
 def _sql_text(s: str) -> str:
@@ -1214,6 +1214,8 @@ def events_select(array_path: str, lines_path: str, st: FileState, typed: bool =
         return f"({c} IS NULL OR starts_with({c}, '\"') OR (TRY_CAST({c} AS BIGINT) IS NOT NULL AND {whole(c)}))"
 
     def gpu_index(c: str, text: str, t: str) -> str:  # pid / tid of a device event as a number (polars' cast of the text)
+        if typed:  # c read as text: a string, or a whole number's digits (TypedFields)
+            return f"CASE WHEN category IN ({gpu}) AND regexp_full_match({text}, '-?[0-9]+') THEN TRY_CAST({text} AS {t}) END"
         return (f"CASE WHEN category IN ({gpu}) THEN CASE WHEN NOT starts_with({c}, '\"') THEN TRY_CAST({text} AS {t})"
                 f" WHEN regexp_full_match({text}, '-?[0-9]+') THEN TRY_CAST({text} AS {t}) END END")
 
@@ -1222,9 +1224,6 @@ def events_select(array_path: str, lines_path: str, st: FileState, typed: bool =
         read_as.update(ph="VARCHAR", cat="VARCHAR", name="VARCHAR", pid="VARCHAR", tid="VARCHAR", ts="DOUBLE", dur="DOUBLE")
         top = {c: c for c in ("ph", "cat", "name", "pid", "tid", "ts", "dur")}
         top_checks = []
-
-        def gpu_index(c: str, text: str, t: str) -> str:  # noqa: F811  (pid / tid: a string, or a whole number's digits)
-            return f"CASE WHEN category IN ({gpu}) AND regexp_full_match({text}, '-?[0-9]+') THEN TRY_CAST({text} AS {t}) END"
     else:
         top = {c: unquote(c) for c in ("ph", "cat", "name")}
         top.update({c: f"""CASE WHEN starts_with({c}, '"') THEN {unquote(c)} ELSE {c} END""" for c in ("pid", "tid")})
