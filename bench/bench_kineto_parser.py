@@ -37,8 +37,8 @@ import json, os, sys, time
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[-1]})
 sys.path.insert(0, sys.argv[2])
 import gzip
-from parsers import kineto
-from parsers.base import FileContext
+from forensics.parsers import kineto
+from forensics.parsers.base import FileContext
 
 def status_mb(key):
     with open("/proc/self/status") as fh:

@@ -329,7 +329,7 @@ def diagnose(
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
     from . import diagnose as dg
-    from .signatures import SignatureError
+    from .catalogue import SignatureError
 
     if not os.path.exists(db):
         _fail(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
@@ -361,7 +361,7 @@ def signatures_cmd(
     check: bool = typer.Option(False, "--check", help="Also compile every pattern with DuckDB's regex engine (RE2)."),
 ) -> None:
     """List the signature catalogue: one rule per line with its class and causal role."""
-    from . import signatures as sig
+    from . import catalogue as sig
 
     try:
         cat = sig.load(signatures)

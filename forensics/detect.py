@@ -11,7 +11,7 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from parsers import ray_logs, torchrun
+from .parsers import ray_logs, torchrun
 
 SNIFF_BYTES = 64 * 1024
 

@@ -41,8 +41,8 @@ import polars as pl
 import pyarrow as pa
 
 from . import detectors
-from . import signatures as sig
-from .signatures import Catalogue, Remedy, Rule
+from . import catalogue as sig
+from .catalogue import Catalogue, Remedy, Rule
 from .store import SettingError, set_memory_limit
 
 MAX_HITS_PER_RULE_FILE = 2000

@@ -143,7 +143,7 @@ def score(name: str, label: dict[str, Any], diagnosis: dg.Diagnosis) -> CaseResu
 def evaluate(corpus_dir: str | os.PathLike, work_dir: str | os.PathLike | None = None,
              signature_dirs: Iterable[str] = (), only: Iterable[str] = ()) -> EvalReport:
     """Ingest (fresh) and diagnose every labelled bundle of ``corpus_dir``."""
-    from . import signatures as sig
+    from . import catalogue as sig
 
     cat = sig.load(signature_dirs)
     only = list(only)

@@ -18,7 +18,7 @@ import duckdb
 import polars as pl
 
 from . import phases as ph
-from .signatures import load_yaml
+from .catalogue import load_yaml
 
 FINDINGS_YAML = ph.SIGNATURES / "findings.yaml"
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 import hashlib
 import re
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator
 
 import duckdb
 import polars as pl
 
-from .signatures import load_yaml
+from .catalogue import load_yaml
 
-SIGNATURES = Path(__file__).resolve().parent.parent / "signatures"
+SIGNATURES = Path(str(resources.files("forensics.signatures")))  # the built-in rule files (package data)
 PHASES_YAML = SIGNATURES / "phases.yaml"
 
 PHASES = ("rollout", "reward", "train", "sync", "other")

@@ -36,8 +36,8 @@ from typing import Callable, Iterator
 import polars as pl
 import pyarrow as pa
 
-import parsers
-from parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows, Stopped
+from . import parsers
+from .parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows, Stopped
 
 from . import detect as det
 from .gunzip import GunzipReader
@@ -560,7 +560,7 @@ def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult
     if len(job) == 1:
         res = parse_one(job[0], spool, debug)
         return JobResult([res], _kept_parts([res]))
-    from parsers.text import parse_text_batch
+    from .parsers.text import parse_text_batch
 
     sources, results, alone = [], [], []
     for task in job:

@@ -25,8 +25,8 @@ import duckdb
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-import parsers
-from parsers.base import FILE_ID, JsonArrayRows, LINE_NO, Table, col
+from . import parsers
+from .parsers.base import FILE_ID, JsonArrayRows, LINE_NO, Table, col
 
 SCHEMA_VERSION = 1
 
@@ -503,7 +503,7 @@ class Store:
         if row is None:
             return 0
         year = int(row[0])
-        from parsers.text import YEARLESS
+        from .parsers.text import YEARLESS
 
         n = self.con.execute(
             f"""UPDATE lines SET ts = ts + to_years({year - YEARLESS}),

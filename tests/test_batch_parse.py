@@ -12,8 +12,8 @@ import pytest
 
 from forensics import detect as det
 from forensics import pipeline
-from parsers.base import FileContext
-from parsers.text import parse_text, parse_text_batch
+from forensics.parsers.base import FileContext
+from forensics.parsers.text import parse_text, parse_text_batch
 
 from .conftest import FIXTURES, corpus_cases
 

@@ -11,7 +11,7 @@ import pytest
 
 from forensics import diagnose as dg
 from forensics import evaluate as ev
-from forensics import signatures as sig
+from forensics import catalogue as sig
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ import duckdb
 import polars as pl
 import pytest
 
-import parsers
+from forensics import parsers
 from forensics import detect
 from forensics.desync import describe, desync, suspects
 from forensics.store import all_tables, ddl, view_files
-from parsers.base import FileContext
+from forensics.parsers.base import FileContext
 
 from .test_flight_recorder import dump
 from .test_nccl import RUN, _db, ingest

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from forensics import api, detectors, pipeline
 from forensics import diagnose as dg
-from forensics import signatures as sig
+from forensics import catalogue as sig
 from forensics.cli import app
 
 from .conftest import FIXTURES

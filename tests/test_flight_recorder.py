@@ -8,8 +8,8 @@ import pickle
 import polars as pl
 import pytest
 
-from parsers.base import FileContext
-from parsers.flight_recorder import parse_dump, rank_from_name, salvage
+from forensics.parsers.base import FileContext
+from forensics.parsers.flight_recorder import parse_dump, rank_from_name, salvage
 
 from .test_nccl import _count, _db, ingest
 

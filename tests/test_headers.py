@@ -4,8 +4,8 @@ from __future__ import annotations
 import io
 from datetime import datetime
 
-from parsers.base import FileContext
-from parsers.text import parse_text
+from forensics.parsers.base import FileContext
+from forensics.parsers.text import parse_text
 
 
 def _lines(text: str):

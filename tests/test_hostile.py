@@ -43,12 +43,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import parsers.text as text_mod
+import forensics.parsers.text as text_mod
 from forensics import detect as det
 from forensics import pipeline
-from parsers import flight_recorder as fr
-from parsers import kineto
-from parsers.base import FileContext
+from forensics.parsers import flight_recorder as fr
+from forensics.parsers import kineto
+from forensics.parsers.base import FileContext
 
 from .conftest import FIXTURES
 from .test_batch_parse import check_same
@@ -726,7 +726,7 @@ def test_big_file_committed_in_pieces_survives_an_interrupt(tmp_path, monkeypatc
     next ingest must remove before it reads the file again."""
     import functools
 
-    import parsers
+    from forensics import parsers
     from forensics.store import Store
 
     root = _small_folder(tmp_path / "logs", n=2)
@@ -827,7 +827,7 @@ def test_spool_write_failure_stops_with_a_clear_message(tmp_path, monkeypatch):
 
 def test_parser_bug_is_reported_without_traceback_unless_debug(tmp_path, monkeypatch):
     root = _small_folder(tmp_path / "logs", n=2)
-    import parsers
+    from forensics import parsers
 
     real = parsers.parser_for
 

@@ -18,8 +18,8 @@ import pytest
 
 from forensics import pipeline
 from forensics.detect import sniff
-from parsers.base import FileContext
-from parsers import kineto
+from forensics.parsers.base import FileContext
+from forensics.parsers import kineto
 
 from .conftest import FIXTURES
 

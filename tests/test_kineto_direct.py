@@ -47,7 +47,7 @@ def outcomes(monkeypatch):
 @pytest.fixture
 def typed_reads(monkeypatch):
     """The ``typed`` of every SELECT the direct path made (wraps kineto.events_select)."""
-    from parsers import kineto
+    from forensics.parsers import kineto
 
     seen: list[bool] = []
     real = kineto.events_select
@@ -234,7 +234,7 @@ def test_events_of_every_type_give_the_decoders_rows(event, typed, outcome, tmp_
     (b'{"ph": "X", "args": {"Collective name": 5, "graph": 1, "cats": 2}}', True),  # other keys do not
 ])
 def test_typed_fields_are_told_from_the_bytes_at_any_cut(text, typed):
-    from parsers.kineto import TypedFields
+    from forensics.parsers.kineto import TypedFields
 
     doc = b"[\n  " + b",\n  ".join([text] * 3) + b"\n]"
     for cut in range(len(doc) + 1):
@@ -249,7 +249,7 @@ def test_typed_fields_are_told_from_the_bytes_at_any_cut(text, typed):
 
 
 def test_typed_fields_give_up_on_white_space_they_cannot_keep():
-    from parsers.kineto import TypedFields
+    from forensics.parsers.kineto import TypedFields
 
     check = TypedFields()
     check.feed(b'[{"ph": "X", "name"' + b" " * 5000)  # the colon may come in the next piece
@@ -312,7 +312,7 @@ def test_many_traces_and_text_files_together(tmp_path, monkeypatch, outcomes):
 
 
 def test_a_parser_failure_on_the_direct_path_fails_only_that_file(tmp_path, monkeypatch):
-    from parsers import kineto
+    from forensics.parsers import kineto
 
     def broken(*args, **kwargs):
         raise RuntimeError("spool bug")
@@ -440,7 +440,7 @@ def test_a_database_made_meanwhile_is_not_replaced(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_load_is_not_taken_for_a_refusal(tmp_path):
-    from parsers.base import JsonArrayRows
+    from forensics.parsers.base import JsonArrayRows
 
     class Stopped:
         def execute(self, *args):
@@ -472,8 +472,8 @@ def test_a_stopped_direct_load_keeps_nothing(tmp_path, monkeypatch, stop_after):
     """Ctrl-C during a direct load: the copy stops at its next window (0: before the
     first; 2: after two), or no insert starts once it is done; nothing is committed and
     nothing is left in the spool."""
-    from parsers import kineto
-    from parsers.base import Stopped
+    from forensics.parsers import kineto
+    from forensics.parsers.base import Stopped
 
     src = tmp_path / "in" / "rank0.big.pt.trace.json"
     src.parent.mkdir()

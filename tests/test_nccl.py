@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 
 from forensics import pipeline
-from parsers.base import FileContext
-from parsers.text import CHUNK_BYTES, parse_text
+from forensics.parsers.base import FileContext
+from forensics.parsers.text import CHUNK_BYTES, parse_text
 
 from .conftest import FIXTURES
 

@@ -9,8 +9,8 @@ import polars as pl
 import pyarrow as pa
 
 from forensics.detect import sniff
-from parsers.base import FileContext
-from parsers import kineto, ray_timeline
+from forensics.parsers.base import FileContext
+from forensics.parsers import kineto, ray_timeline
 
 from .conftest import FIXTURES
 

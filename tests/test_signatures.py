@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from forensics import diagnose as dg
 from forensics import pipeline
-from forensics import signatures as sig
+from forensics import catalogue as sig
 from forensics.cli import app
 
 from .conftest import CORPUS

@@ -8,8 +8,8 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from parsers.base import FileContext
-from parsers import text, vllm
+from forensics.parsers.base import FileContext
+from forensics.parsers import text, vllm
 
 from .conftest import FIXTURES
 

@@ -194,11 +194,9 @@ class Catalogue:
 # -- loading ------------------------------------------------------------------------
 
 def builtin_dir() -> Path:
-    """The folder of the built-in catalogue (``signatures/`` next to ``forensics/``)."""
-    here = Path(__file__).resolve().parent.parent / "signatures"
-    if here.is_dir():
-        return here
-    return Path(str(resources.files("signatures")))
+    """The folder of the built-in catalogue: the package data ``forensics.signatures``
+    (the repository's ``signatures/`` folder)."""
+    return Path(str(resources.files("forensics.signatures")))
 
 
 def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) -> Catalogue:
