@@ -127,6 +127,8 @@ def _duck_type(t: pa.DataType) -> str:
         return "VARCHAR"
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         return _duck_type(t.value_type) + "[]"
+    if pa.types.is_struct(t):
+        return "STRUCT(" + ", ".join(f'"{f.name}" {_duck_type(f.type)}' for f in t) + ")"
     raise TypeError(f"no DuckDB type for {t}")
 
 

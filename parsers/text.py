@@ -20,6 +20,7 @@ from typing import BinaryIO, Callable, Iterator
 import polars as pl
 import pyarrow as pa
 
+from . import fatal_events
 from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
 
 LINES = Table(
@@ -390,7 +391,11 @@ def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, 
         for name, frame in more.items():
             if frame is not None and frame.height:
                 extras.setdefault(name, []).append(frame)
-    df = mark_tracebacks(df)
+    # multi-line events: tracebacks, native crashes, fatal records (their own table too)
+    event_line, events = fatal_events.find_events(df)
+    df = df.with_columns(event_line.alias("event_line"))
+    if events.height:
+        extras.setdefault(fatal_events.FATAL_EVENTS.name, []).append(events)
     # Ray's daemon logs (raylet, gcs, core workers, monitor) put a header on every record
     df = mark_continuations(df, always=pl.col("_fmt").str.starts_with("ray_") & ~pl.col("_fmt").is_in(["ray_worker", "ray_events"]))
     df = _finish_timestamps(df, cctx)

@@ -1,0 +1,331 @@
+"""Fatal events (parsers/fatal_events.py): tracebacks, wrappers, native crashes and fatal
+records read from text as structured rows. Every snippet is written here, in the shapes the
+software prints (sources of the shapes: tests/fixtures/SOURCES.md)."""
+from __future__ import annotations
+
+import io
+import textwrap
+
+import polars as pl
+import pytest
+
+from forensics.parsers.base import FileContext
+from forensics.parsers.fatal_events import FATAL_EVENTS, frame_package
+from forensics.parsers.text import parse_text
+
+
+def _parse(text: str, name: str = "driver.log", fmt: str = "text") -> tuple[pl.DataFrame, pl.DataFrame]:
+    text = textwrap.dedent(text).lstrip("\n")
+    ctx = FileContext(file_id=1, path=name, size=len(text), fmt=fmt)
+    out: dict[str, list] = {}
+    for table, frame in parse_text(io.BytesIO(text.encode()), ctx):
+        out.setdefault(table, []).append(frame)
+    lines = pl.concat(out["lines"])
+    events = pl.concat(out[FATAL_EVENTS.name]) if FATAL_EVENTS.name in out else FATAL_EVENTS.empty()
+    return lines, events
+
+
+def _one(text: str, **kw) -> dict:
+    _, ev = _parse(text, **kw)
+    assert ev.height == 1, ev
+    return ev.row(0, named=True)
+
+
+def test_plain_traceback_with_frames_and_packages():
+    e = _one('''
+        step 3 started
+        Traceback (most recent call last):
+          File "/home/me/rl/my_reward.py", line 17, in compute_score
+            return table[answer]
+                   ~~~~~^^^^^^^^
+          File "/opt/env/lib/python3.11/site-packages/verl/workers/reward_manager/naive.py", line 88, in __call__
+            score = self.compute_score(data_source=src, solution_str=s)
+        KeyError: 'gsm8k'
+        step 4 started
+        ''')
+    assert (e["line_no"], e["exc_line"], e["last_line"]) == (2, 8, 8)
+    assert (e["kind"], e["exc_type"], e["exc_name"], e["message"]) == ("python", "KeyError", "KeyError", "'gsm8k'")
+    assert [(f["function"], f["package"]) for f in e["frames"]] == [("compute_score", "user"), ("__call__", "verl")]
+    assert e["frames"][0]["code"] == "return table[answer]"
+    assert e["package"] == "verl" and e["user_frame"] == "my_reward.py:17 in compute_score"
+    assert not e["cut_off"]
+
+
+def test_event_line_covers_the_event_only():
+    lines, _ = _parse('''
+        before
+        Traceback (most recent call last):
+          File "a.py", line 1, in <module>
+            f()
+        ValueError: bad
+        after
+        ''')
+    assert lines.select("line_no", "event_line").rows() == [(1, None), (2, 2), (3, 2), (4, 2), (5, 2), (6, None)]
+
+
+def test_chained_exceptions_root_is_the_first():
+    e = _one('''
+        Traceback (most recent call last):
+          File "/srv/app/trainer.py", line 40, in init_workers
+            self.build(cfg.actor.optim.optimizer)
+        omegaconf.errors.ConfigAttributeError: Key 'optimizer' is not in struct
+            full_key: actor.optim.optimizer
+            object_type=dict
+
+        The above exception was the direct cause of the following exception:
+
+        Traceback (most recent call last):
+          File "/srv/app/main.py", line 9, in main
+            trainer.init_workers()
+        RuntimeError: Failed to initialize trainer
+        ''')
+    assert e["exc_type"] == "omegaconf.errors.ConfigAttributeError" and e["exc_line"] == 4
+    assert e["message"].startswith("Key 'optimizer' is not in struct\nfull_key: actor.optim.optimizer")
+    assert (e["outer_type"], e["outer_message"]) == ("RuntimeError", "Failed to initialize trainer")
+    assert [c["relation"] for c in e["chain"]] == [None, "cause"]
+    assert e["types"] == ["omegaconf.errors.ConfigAttributeError", "RuntimeError"]
+    assert e["last_line"] == 13
+
+
+def test_chain_seen_only_from_its_first_exception_line():
+    """A paste that starts at the first exception of a chain: no traceback header before it."""
+    e = _one('''
+        KeyError: 'optimizer'
+
+        During handling of the above exception, another exception occurred:
+
+        ray::train_agents()
+          File "/x/trainer.py", line 266, in init_workers
+            raise RuntimeError("init failed") from e
+        RuntimeError: init failed
+        ''')
+    assert (e["line_no"], e["exc_line"], e["exc_type"], e["outer_type"]) == (1, 1, "KeyError", "RuntimeError")
+    assert e["ray_method"] == "train_agents" and e["chain"][1]["relation"] == "context"
+
+
+def test_ray_task_error_remote_traceback_and_wrapped_type():
+    e = _one('''
+        Traceback (most recent call last):
+          File "/opt/verl/trainer/main_ppo.py", line 64, in main
+            ray.get(runner.run.remote(config))
+        ray.exceptions.RayTaskError(KeyError): ray::TaskRunner.run() (pid=2211, ip=10.1.2.3, actor_id=ab12, repr=<main_ppo.TaskRunner object at 0x7f>)
+          File "/opt/verl/trainer/ppo/ray_trainer.py", line 910, in fit
+            val_metrics = self._validate()
+          File "/opt/verl/workers/reward_manager/naive.py", line 70, in __call__
+            ground_truth = data_item.non_tensor_batch["reward_model"]["ground_truth"]
+        KeyError: 'reward_model'
+        ''')
+    assert (e["wrapper"], e["wrapped_type"], e["exc_type"], e["message"]) == ("RayTaskError", "KeyError", "KeyError", "'reward_model'")
+    assert (e["ray_actor"], e["ray_method"], e["ray_pid"], e["ray_ip"]) == ("TaskRunner", "run", 2211, "10.1.2.3")
+    assert e["exc_line"] == 4  # the wrapper line is where the failure first shows
+    assert [f["function"] for f in e["frames"] if f["part"] == 1] == ["fit", "__call__"]
+    assert e["package"] == "verl"
+
+
+def test_ray_wrapper_without_its_remote_part_keeps_the_wrapped_type():
+    e = _one('''
+          File "/usr/lib/python3.10/asyncio/tasks.py", line 650, in _wrap_awaitable
+            return (yield from awaitable.__await__())
+        ray.exceptions.RayTaskError(OutOfMemoryError): ray::LLMActor.backload_to_gpu() (pid=11992, ip=10.14.9.9, actor_id=94ea
+        ''')
+    assert (e["exc_type"], e["wrapper"], e["ray_actor"], e["ray_method"]) == ("OutOfMemoryError", "RayTaskError", "LLMActor", "backload_to_gpu")
+    assert e["line_no"] == 1 and e["exc_line"] == 3  # a traceback tail: it starts at a frame line
+
+
+def test_frames_whose_indentation_was_lost():
+    e = _one('''
+        Traceback (most recent call last):
+        File "/w/train_grpo.py", line 130, in main
+        ray.get(main_task.remote(config))
+        File "/w/venv/lib/python3.11/site-packages/ray/_private/worker.py", line 919, in get_objects
+        raise value.as_instanceof_cause()
+        ray.exceptions.RayTaskError(KeyError): ray::main_task() (pid=13, ip=172.20.0.2)
+        File "/w/trainers/grpo_trainer.py", line 104, in _score_output
+        correct = self.scorer(answer)
+        KeyError: 'boxnet'
+        ''')
+    assert [f["code"] for f in e["frames"]][:2] == ["ray.get(main_task.remote(config))", "raise value.as_instanceof_cause()"]
+    assert (e["exc_type"], e["message"], e["exc_line"]) == ("KeyError", "'boxnet'", 6)
+    assert e["user_frame"] == "grpo_trainer.py:104 in _score_output"
+
+
+def test_prefixed_streams_are_followed_apart():
+    """Two workers' tracebacks interleaved on the driver, and a driver line between them."""
+    lines, ev = _parse('''
+        (WorkerDict pid=11) Traceback (most recent call last):
+        (WorkerDict pid=22) Traceback (most recent call last):
+        (WorkerDict pid=11)   File "/x/fsdp_workers.py", line 5, in update_actor
+        Training Progress:  40%|####      | 4/10 [00:10<00:15]
+        (WorkerDict pid=22)   File "/x/fsdp_workers.py", line 9, in generate_sequences
+        (WorkerDict pid=11)     loss.backward()
+        (WorkerDict pid=22)     out = self.engine.generate(p)
+        (WorkerDict pid=11) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB
+        (WorkerDict pid=22) RuntimeError: CUDA error: an illegal memory access was encountered
+        ''', fmt="driver")
+    rows = {r["pid"]: r for r in ev.iter_rows(named=True)}
+    assert set(rows) == {11, 22}
+    assert rows[11]["exc_type"] == "torch.OutOfMemoryError" and rows[11]["frames"][0]["function"] == "update_actor"
+    assert rows[22]["exc_type"] == "RuntimeError" and rows[22]["exc_line"] == 9
+    assert lines.filter(pl.col("line_no") == 4)["event_line"][0] is None  # the driver's progress bar is no part of either
+
+
+def test_rank_prefixed_traceback_and_other_records_between_frames():
+    e = _one('''
+        [default0]:Traceback (most recent call last):
+        [default0]:  File "/home/rl/train.py", line 155, in main
+        [default0]:    dist.init_process_group(backend)
+        [default0]:
+        [default0]:host:15:15 [0] NCCL INFO init.cc:126 -> 5
+        [default0]:  File "/env/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 1710, in init_process_group
+        [default0]:    raise DistBackendError(msg)
+        [default0]:torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:3410, invalid usage
+        ''', fmt="torchrun")
+    assert e["exc_type"] == "torch.distributed.DistBackendError" and len(e["frames"]) == 2 and e["last_line"] == 8
+
+
+def test_vllm_headed_traceback_lines():
+    e = _one('''
+        (EngineCore pid=47) ERROR 11-30 01:06:00 [core.py:1510] EngineCore failed to start.
+        (EngineCore pid=47) ERROR 11-30 01:06:00 [core.py:1510] Traceback (most recent call last):
+        (EngineCore pid=47) ERROR 11-30 01:06:00 [core.py:1510]   File "/env/site-packages/vllm/v1/engine/core.py", line 326, in _initialize_kv_caches
+        (EngineCore pid=47) ERROR 11-30 01:06:00 [core.py:1510]     kv_cache_configs = get_kv_cache_configs(
+        (EngineCore pid=47) ERROR 11-30 01:06:00 [core.py:1510] ValueError: To serve at least one request ... larger than the available KV cache memory
+        (EngineCore pid=47) ERROR 11-30 01:06:02 [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly
+        ''', fmt="driver")
+    assert (e["line_no"], e["exc_line"], e["last_line"], e["exc_type"], e["package"]) == (2, 5, 5, "ValueError", "vllm")
+
+
+def test_native_crash_signal_and_faulthandler_stack():
+    e = _one('''
+        (RayWorkerWrapper pid=240)     @     0x7f1bc25d8090   36407536  (unknown)
+        (RayWorkerWrapper pid=240) [2024-07-25 10:46:00,050 E 240 240] logging.cc:440: *** SIGSEGV received at time=1721904360 on cpu 14 ***
+        (RayWorkerWrapper pid=240) [2024-07-25 10:46:00,050 E 240 240] logging.cc:440: PC: @     0x7f17f832d44a  (unknown)  someSymbol()
+        (RayWorkerWrapper pid=240) Fatal Python error: Segmentation fault
+        (RayWorkerWrapper pid=240)
+        (RayWorkerWrapper pid=240) Stack (most recent call first):
+        (RayWorkerWrapper pid=240)   File "/env/dist-packages/vllm/distributed/pynccl_wrapper.py", line 257 in ncclAllReduce
+        (RayWorkerWrapper pid=240)   File "/env/dist-packages/vllm/worker/model_runner.py", line 99 in execute_model
+        ''', fmt="driver")
+    assert (e["kind"], e["signal"], e["exc_type"], e["line_no"], e["exc_line"]) == ("native", "SIGSEGV", "Segmentation fault", 1, 2)
+    # faulthandler prints the innermost frame first: stored outermost first
+    assert [f["function"] for f in e["frames"]] == ["execute_model", "ncclAllReduce"]
+    assert e["package"] == "vllm"
+
+
+def test_cpp_terminate_and_fatal_record_with_stack():
+    _, ev = _parse('''
+        terminate called after throwing an instance of 'c10::DistBackendError'
+          what():  [PG ID 0 PG GUID 0 Rank 1] Process group watchdog thread terminated with exception
+        Exception raised from checkTimeout at /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:635 (most recent call first):
+        frame #0: c10::Error::Error(c10::SourceLocation, std::string) + 0x96 (0x7f in /x/libc10.so)
+        some unrelated line
+        [2022-02-16 12:46:52,789 C 149 149] node_manager.cc:170: This node has been marked as dead.
+        *** StackTrace Information ***
+            ray::RayLog::~RayLog()
+            main
+        ''', name="raylet.out", fmt="ray_raylet")
+    a, b = ev.iter_rows(named=True)
+    assert (a["kind"], a["exc_type"], a["exc_name"], a["line_no"], a["last_line"]) == ("cpp", "c10::DistBackendError", "DistBackendError", 1, 4)
+    assert a["message"].startswith("[PG ID 0 PG GUID 0 Rank 1] Process group watchdog")
+    assert (b["kind"], b["exc_type"], b["message"], b["line_no"], b["last_line"]) == ("fatal_log", "FATAL", "This node has been marked as dead.", 6, 9)
+
+
+def test_debugger_report_lists_innermost_frame_first():
+    e = _one('''
+        Exception has occurred: KeyError       (note: full exception trace is shown but execution is paused at: main)
+        'prompt'
+          File "C:\\env\\Lib\\site-packages\\trl\\trainer\\grpo_trainer.py", line 519, in _prepare_inputs
+            prompts = [x["prompt"] for x in inputs]
+          File "C:\\work\\my_trainer.py", line 11, in training_step
+            return super().training_step(model, inputs)
+        ''')
+    assert (e["wrapper"], e["exc_type"], e["message"]) == ("debugger", "KeyError", "'prompt'")
+    assert [f["function"] for f in e["frames"]] == ["training_step", "_prepare_inputs"]
+    assert e["package"] == "trl" and e["user_frame"] == "my_trainer.py:11 in training_step"
+
+
+def test_hydra_wrapper_and_exit_codes():
+    _, ev = _parse('''
+        Error executing job with overrides: ['trainer.n_gpus_per_node=8']
+        Traceback (most recent call last):
+          File "/x/main_ppo.py", line 30, in main
+            run_ppo(config)
+        AssertionError: ppo_mini_batch_size must be divisible by micro batch size
+        Job entrypoint command failed with exit code 1, last available logs:
+        Segmentation fault (core dumped)
+        process exited with code 0
+        ''')
+    rows = list(ev.iter_rows(named=True))
+    assert [(r["kind"], r["wrapper"], r["exc_type"], r["exit_code"], r["signal"]) for r in rows] == [
+        ("python", "hydra", "AssertionError", None, None),
+        ("exit", None, "exit 1", 1, None),
+        ("exit", None, "SIGSEGV", None, "SIGSEGV"),
+    ]
+    assert rows[0]["line_no"] == 1 and rows[0]["exc_line"] == 5
+
+
+def test_traceback_cut_off_before_its_exception():
+    e = _one('''
+        [2025-02-24 14:09:34 TP14] Scheduler hit an exception: Traceback (most recent call last):
+          File "/sgl/python/sglang/srt/managers/scheduler.py", line 1816, in run_scheduler_process
+            scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank, dp_rank)
+          File "/sgl/python/sglang/srt/model_executor/model_runner.py", line 187,
+        ''')
+    assert (e["exc_type"], e["cut_off"], e["package"], e["exc_line"]) == ("unknown", True, "sglang", 1)
+
+
+def test_logged_error_line_alone_is_an_event_but_prose_is_not():
+    _, ev = _parse('''
+        the run had no Error: just words
+        ValueError: num_generations (8) must divide the global batch size (7)
+        INFO all good
+        ''')
+    assert ev.select("exc_type", "line_no").rows() == [("ValueError", 2)]
+
+
+def test_nothing_in_plain_logs():
+    _, ev = _parse('''
+        step:1 - actor/pg_loss:0.1 - critic/score/mean:0.5
+        INFO 11-30 01:06:00 [llm.py:12] Processed prompts: 100%
+        ''')
+    assert ev.height == 0
+
+
+@pytest.mark.parametrize("path, package", [
+    ("/opt/conda/lib/python3.10/site-packages/torch/cuda/graphs.py", "torch"),
+    ("/usr/local/lib/python3.10/dist-packages/megatron_core/dist_checkpointing/x.py", "megatron"),
+    ("/usr/lib/python3.10/asyncio/tasks.py", "python"),
+    ("/workspace/TTRL/verl/verl/workers/reward_manager/ttrl.py", "verl"),
+    ("/workspace/code/vllm/vllm/config.py", "vllm"),
+    ("/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py", "sglang"),
+    ("/workspace/code/OpenRLHF/openrlhf/trainer/ray/vllm_engine.py", "openrlhf"),
+    (".../rllm/rllm/trainer/verl/train_agent_ppo.py", "user"),
+    ("/home/me/project/reward.py", "user"),
+    ("pyarrow/_dataset_parquet.pyx", "pyarrow"),
+    ("/usr/local/bin/trl", "python"),
+    ("D:\\Anaconda\\envs\\q\\Lib\\site-packages\\transformers\\trainer.py", "transformers"),
+    ("D:\\Anaconda\\envs\\q\\Lib\\runpy.py", "python"),
+])
+def test_frame_package(path, package):
+    assert frame_package(path) == package
+
+
+def test_batch_and_single_file_parses_agree():
+    """Many small files in one frame give each file the events it gives alone."""
+    from forensics.parsers.text import parse_text_batch
+
+    texts = [
+        "Traceback (most recent call last):\n  File \"a.py\", line 1, in f\n    g()\nKeyError: 'x'\n",
+        "ok\n*** SIGSEGV received at time=1 on cpu 0 ***\nPC: @ 0x1 (unknown)\n",
+        "plain\n",
+    ]
+    singles = []
+    sources = []
+    for i, t in enumerate(texts, start=1):
+        ctx = FileContext(file_id=i, path=f"f{i}.log", size=len(t), fmt="text")
+        singles += [f for name, f in parse_text(io.BytesIO(t.encode()), ctx) if name == FATAL_EVENTS.name]
+        sources.append((t.encode(), FileContext(file_id=i, path=f"f{i}.log", size=len(t), fmt="text")))
+    batch = [f for name, f in parse_text_batch(sources) if name == FATAL_EVENTS.name]
+    a = pl.concat(singles).sort("file_id", "line_no")
+    b = pl.concat(batch).sort("file_id", "line_no")
+    assert a.height == 2 and a.equals(b)
