@@ -20,6 +20,13 @@ touching code. Every YAML file may hold any of these top-level sections:
     prints one is rank 0, which helps to place failures of processes that print no rank.
 ``rank_actors``
     Ray actor classes whose processes are training ranks (their pids rise with the rank).
+``causality``
+    How failures relate (:class:`Causality`): which rules are collective timeouts that
+    later errors follow from, which classes are teardown noise after the end of a run,
+    stalls that explain a timeout (a CUDA graph capture that began and never finished),
+    which class a watchdog cascade with one silent rank becomes, which class an exception
+    no rule describes gets, which causes give way to which, the verl driver's actor names,
+    and the notes that say what evidence was missing.
 
 The folder is shared with other analyses: ``phases.yaml`` (phase attribution,
 :mod:`forensics.phases`) and ``findings.yaml`` (performance findings) have schemas of their
@@ -70,11 +77,19 @@ RULE_KEYS = {
     "id", "class", "role", "weight", "title", "patterns", "keywords", "negative", "where",
     "event_context", "requires", "class_by_phase", "class_if_present", "phase", "extract",
     "describe", "remediation", "versions", "notes", "symptom", "match_code_lines", "finding",
+    "exception", "generic", "examples",
 }
-WHERE_KEYS = {"header", "format", "level", "path", "actor", "in_traceback"}
+WHERE_KEYS = {"header", "format", "level", "path", "actor", "in_traceback", "logger"}
+# what an `exception:` matcher of a rule may test on a fatal event (parsers/fatal_events.py)
+EXCEPTION_KEYS = {"type", "not_type", "message", "not_message", "raised_in", "not_raised_in", "frames", "not_frames",
+                  "kind", "signal", "method", "actor", "preceded_by", "wrapper"}
+EXAMPLE_KEYS = {"match", "no_match"}
+CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "missing_rank", "unexplained",
+                  "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific"}
+NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
 REMEDY_KEYS = {"key", "to", "scale", "min", "max", "why", "text", "when"}
-SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors"}
+SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors", "causality"}
 NOT_SIGNATURE_FILES = {"phases.yaml", "findings.yaml"}  # other analyses' files in the same folder
 
 # Lines of Python source shown inside a traceback (``raise ValueError("...")``) repeat the
@@ -143,6 +158,9 @@ class Rule:
     symptom: bool = True
     match_code_lines: bool = False
     finding: str | None = None
+    exception: "ExceptionMatch | None" = None  # matches fatal events (parsers/fatal_events.py) instead of / as well as lines
+    generic: bool = False  # a cause that gives way to any specific one (an exception no class describes)
+    examples: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (match, no_match): lines, or event texts for `exception`
     source: str = ""  # file the rule came from
 
     def to_dict(self) -> dict:
@@ -153,7 +171,99 @@ class Rule:
             "requires": list(self.requires), "class_by_phase": self.class_by_phase,
             "class_if_present": self.class_if_present, "phase": self.phase, "versions": self.versions,
             "notes": self.notes, "source": self.source,
+            **({"exception": {k: v for k, v in vars(self.exception).items() if v}} if self.exception else {}),
+            **({"generic": True} if self.generic else {}),
         }
+
+
+@dataclass(frozen=True)
+class ExceptionMatch:
+    """What a rule asks of a fatal event (one row of ``fatal_events``). Every given field
+    must hold. Regular expressions are searched (not anchored unless they say so).
+
+    ``type`` / ``not_type``: any of the event's exception types (dotted as printed, or their
+    last component; wrapped types included). ``message`` / ``not_message``: the messages of
+    the chain. ``raised_in`` / ``not_raised_in``: the package of the innermost frame of the
+    root exception. ``frames`` / ``not_frames``: any frame as ``file:function``. ``kind``:
+    the event kind. ``signal``: the fatal signal. ``method`` / ``actor``: the failing Ray
+    task's method / actor class (or the stream's actor). ``wrapper``: how it was reported.
+    ``preceded_by``: a line of the same file within the 200 lines before the event.
+    """
+
+    type: str | None = None
+    not_type: str | None = None
+    message: str | None = None
+    not_message: str | None = None
+    raised_in: tuple[str, ...] = ()
+    not_raised_in: tuple[str, ...] = ()
+    frames: str | None = None
+    not_frames: str | None = None
+    kind: tuple[str, ...] = ()
+    signal: tuple[str, ...] = ()
+    method: str | None = None
+    actor: str | None = None
+    wrapper: tuple[str, ...] = ()
+    preceded_by: str | None = None
+
+    def regexes(self) -> list[str]:
+        return [p for p in (self.type, self.not_type, self.message, self.not_message, self.frames, self.not_frames,
+                            self.method, self.actor, self.preceded_by) if p]
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A process that logged ``started`` and never ``finished`` (rule ids), while the root
+    is one of ``explains`` (classes): the others waited for it; the root becomes ``becomes``."""
+
+    started: str
+    finished: str
+    explains: tuple[str, ...]
+    becomes: str
+    note: str
+
+
+@dataclass(frozen=True)
+class MissingRank:
+    """A cascade of ``timeouts`` (rule ids) with root class ``source`` in which exactly one
+    rank of the world never timed out (or lags in the counters): the root becomes ``becomes``."""
+
+    source: str
+    timeouts: tuple[str, ...]
+    becomes: str
+
+
+@dataclass(frozen=True)
+class GivesWay:
+    """Events of class ``cls`` give way to (become symptoms of) an event of one of ``to``
+    (classes, or every class with ``any``) seen before them or within ``window_s`` after."""
+
+    cls: str
+    to: tuple[str, ...]
+    window_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class EvidenceNote:
+    """A note for root causes of ``classes`` (all classes when empty) when the run's facts
+    meet ``when`` (see :data:`NOTE_CONDITIONS`); ``{dedup_lines}`` in the text is filled."""
+
+    text: str
+    classes: tuple[str, ...] = ()
+    when: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass
+class Causality:
+    driver_actors: tuple[str, ...] = ()
+    collective_timeouts: tuple[str, ...] = ()
+    shutdown_noise: tuple[str, ...] = ()
+    stalls: tuple[Stall, ...] = ()
+    missing_rank: tuple[MissingRank, ...] = ()
+    unexplained: str | None = None
+    gives_way: tuple[GivesWay, ...] = ()
+    evidence_notes: tuple[EvidenceNote, ...] = ()
+    same_moment_s: float = 2.0
+    clearly_more_specific: float = 0.2
 
 
 @dataclass(frozen=True)
@@ -175,6 +285,7 @@ class Catalogue:
     skipped: list[str] = field(default_factory=list)  # YAML files that are not part of the catalogue
     rank_zero_prints: list[str] = field(default_factory=list)
     rank_actors: list[str] = field(default_factory=list)
+    causality: Causality = field(default_factory=Causality)
 
     def rule(self, rule_id: str) -> Rule:
         for r in self.rules:
@@ -187,7 +298,13 @@ class Catalogue:
         for r in self.rules:
             out.update(r.class_by_phase.values())
             out.update(r.class_if_present.values())
-        out.update(k for k, v in self.metric_detectors.items() if isinstance(v, dict))
+        out.update(v["class"] for v in self.metric_detectors.values() if isinstance(v, dict) and v.get("class"))
+        if self.causality.unexplained:
+            out.add(self.causality.unexplained)
+        for st in self.causality.stalls:
+            out.add(st.becomes)
+        for mr in self.causality.missing_rank:
+            out.add(mr.becomes)
         return out
 
 
@@ -214,6 +331,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
     detectors: dict[str, Any] = {}
     rank_zero: list[str] = []
     rank_actors: list[str] = []
+    causality_raw: dict[str, tuple[Any, str]] = {}
     sources: list[str] = []
     skipped: list[str] = []
     for d in dirs:
@@ -253,6 +371,11 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
             for pat in doc.get("rank_actors") or []:
                 _compile(pat, f"{f}: rank_actors")
                 rank_actors.append(pat)
+            causal = doc.get("causality") or {}
+            if not isinstance(causal, dict) or set(causal) - CAUSALITY_KEYS:
+                raise SignatureError(f"{f}: `causality` is a mapping with keys from {sorted(CAUSALITY_KEYS)}")
+            for key, value in causal.items():
+                causality_raw[key] = (value, str(f))  # a later file (a user folder) replaces the key
             for name, conf in (doc.get("metric_detectors") or {}).items():
                 if isinstance(conf, dict) and isinstance(detectors.get(name), dict):
                     detectors[name] = {**detectors[name], **conf}
@@ -265,9 +388,79 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
         for other in (*r.requires, *r.class_if_present):
             if other not in ids:
                 raise SignatureError(f"{r.source}: rule {r.id}: refers to unknown rule {other!r}")
+    for name, conf in detectors.items():
+        if isinstance(conf, dict) and conf.get("class") is not None and conf["class"] not in class_infos:
+            raise SignatureError(f"metric_detectors.{name}: class {conf['class']!r} is not a taxonomy class")
+    causality = _causality(causality_raw, ids, set(class_infos))
     return Catalogue(rules=rules, classes=class_infos, phase_markers=markers, metric_detectors=detectors,
                      sources=sources, skipped=skipped, rank_zero_prints=rank_zero,
-                     rank_actors=rank_actors)
+                     rank_actors=rank_actors, causality=causality)
+
+
+def _causality(raw: dict[str, tuple[Any, str]], rule_ids: set[str], classes: set[str]) -> Causality:
+    """The ``causality`` section, every rule and class it names checked."""
+    def where(key: str) -> str:
+        return f"{raw[key][1]}: causality.{key}"
+
+    def names(key: str, value: Any, known: set[str] | None, what: str) -> tuple[str, ...]:
+        items = _as_list(value, where(key), key)
+        if known is not None:
+            bad = [x for x in items if x not in known]
+            if bad:
+                raise SignatureError(f"{where(key)}: unknown {what} {bad}")
+        return items
+
+    def mapping(key: str, item: Any, required: set[str], optional: set[str] = frozenset()) -> dict:
+        if not isinstance(item, dict) or set(item) - required - optional or required - set(item):
+            raise SignatureError(f"{where(key)}: each entry is a mapping with {sorted(required)}"
+                                 + (f" and optionally {sorted(optional)}" if optional else ""))
+        return item
+
+    out = Causality()
+    for key, (value, _src) in raw.items():
+        if key == "driver_actors":
+            out.driver_actors = names(key, value, None, "")
+        elif key == "collective_timeouts":
+            out.collective_timeouts = names(key, value, rule_ids, "rule(s)")
+        elif key == "shutdown_noise":
+            out.shutdown_noise = names(key, value, classes, "class(es)")
+        elif key == "unexplained":
+            out.unexplained = names(key, value, classes, "class")[0] if value else None
+        elif key in ("same_moment_s", "clearly_more_specific"):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise SignatureError(f"{where(key)}: a number >= 0")
+            setattr(out, key, float(value))
+        elif key == "stalls":
+            stalls = []
+            for item in value or []:
+                m = mapping(key, item, {"started", "finished", "explains", "becomes", "note"})
+                names(key, [m["started"], m["finished"]], rule_ids, "rule(s)")
+                stalls.append(Stall(m["started"], m["finished"], names(key, m["explains"], classes, "class(es)"),
+                                    names(key, m["becomes"], classes, "class")[0], str(m["note"])))
+            out.stalls = tuple(stalls)
+        elif key == "missing_rank":
+            out.missing_rank = tuple(
+                MissingRank(names(key, m["from"], classes, "class")[0], names(key, m["timeouts"], rule_ids, "rule(s)"),
+                            names(key, m["becomes"], classes, "class")[0])
+                for m in (mapping(key, item, {"from", "timeouts", "becomes"}) for item in value or []))
+        elif key == "gives_way":
+            gw = []
+            for item in value or []:
+                m = mapping(key, item, {"class", "to"}, {"window_s"})
+                to = ("any",) if m["to"] == "any" else names(key, m["to"], classes, "class(es)")
+                gw.append(GivesWay(names(key, m["class"], classes, "class")[0], to, float(m.get("window_s") or 0)))
+            out.gives_way = tuple(gw)
+        elif key == "evidence_notes":
+            notes = []
+            for item in value or []:
+                m = mapping(key, item, {"note"}, {"classes", "when"})
+                when = m.get("when") or {}
+                if not isinstance(when, dict) or set(when) - NOTE_CONDITIONS:
+                    raise SignatureError(f"{where(key)}: `when` takes {sorted(NOTE_CONDITIONS)}")
+                notes.append(EvidenceNote(str(m["note"]), names(key, m.get("classes") or [], classes, "class(es)"),
+                                          tuple(sorted(when.items()))))
+            out.evidence_notes = tuple(notes)
+    return out
 
 
 def _foreign_rules(doc: dict) -> bool:
@@ -315,8 +508,9 @@ def _rule(item: dict, src: str, known_classes: set[str]) -> Rule:
     if role not in ROLES:
         raise SignatureError(f"{where}: role {role!r} is not one of {sorted(ROLES)}")
     patterns = _as_list(item.get("patterns"), where, "patterns")
-    if not patterns:
-        raise SignatureError(f"{where}: needs at least one pattern")
+    exc = _exception_match(item.get("exception"), where)
+    if not patterns and exc is None:
+        raise SignatureError(f"{where}: needs at least one pattern, or an `exception` matcher")
     for p in patterns:
         _compile(p, where)
     negative = _as_list(item.get("negative"), where, "negative")
@@ -335,8 +529,10 @@ def _rule(item: dict, src: str, known_classes: set[str]) -> Rule:
     if kws:
         cs = tuple(k for k in kws if not k.startswith("(?i)"))
         ci = tuple(k[4:] for k in kws if k.startswith("(?i)"))
-    else:
+    elif patterns:
         cs, ci = derive_keywords(patterns, where)
+    else:
+        cs, ci = (), ()
     w = item.get("where") or {}
     if not isinstance(w, dict) or set(w) - WHERE_KEYS:
         raise SignatureError(f"{where}: `where` takes {sorted(WHERE_KEYS)}")
@@ -344,12 +540,16 @@ def _rule(item: dict, src: str, known_classes: set[str]) -> Rule:
         if k == "in_traceback":
             if not isinstance(v, bool):
                 raise SignatureError(f"{where}: where.in_traceback is true or false")
-        elif k == "path":
+        elif k in ("path", "logger"):
             w[k] = str(v)
         else:
             w[k] = list(_as_list(v, where, f"where.{k}"))
-    if "path" in w:
-        _compile(w["path"], where)
+    for k in ("path", "logger"):
+        if k in w:
+            _compile(w[k], where)
+    examples = item.get("examples") or {}
+    if not isinstance(examples, dict) or set(examples) - EXAMPLE_KEYS:
+        raise SignatureError(f"{where}: `examples` is a mapping with `match` and/or `no_match` lists")
     cbp = item.get("class_by_phase") or {}
     cip = item.get("class_if_present") or {}
     for mapping, name in ((cbp, "class_by_phase"), (cip, "class_if_present")):
@@ -375,8 +575,28 @@ def _rule(item: dict, src: str, known_classes: set[str]) -> Rule:
         remediation=tuple(Remedy.parse(x, where) for x in item.get("remediation") or ()),
         weight=float(weight), title=item.get("title"), versions=item.get("versions"), notes=item.get("notes"),
         symptom=bool(item.get("symptom", True)), match_code_lines=bool(item.get("match_code_lines", False)),
-        finding=item.get("finding"), source=src,
+        finding=item.get("finding"), exception=exc, generic=bool(item.get("generic", False)),
+        examples=(_as_list(examples.get("match"), where, "examples.match"), _as_list(examples.get("no_match"), where, "examples.no_match")),
+        source=src,
     )
+
+
+def _exception_match(value: Any, where: str) -> ExceptionMatch | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not value or set(value) - EXCEPTION_KEYS:
+        raise SignatureError(f"{where}: `exception` is a non-empty mapping with keys from {sorted(EXCEPTION_KEYS)}")
+    lists = {"raised_in", "not_raised_in", "kind", "signal", "wrapper"}
+    kw = {}
+    for k, v in value.items():
+        if k in lists:
+            kw[k] = _as_list(v, where, f"exception.{k}")
+        else:
+            if not isinstance(v, str) or not v:
+                raise SignatureError(f"{where}: exception.{k} is a regular expression")
+            _compile(v, where)
+            kw[k] = v
+    return ExceptionMatch(**kw)
 
 
 def _compile(pattern: str, where: str) -> re.Pattern:
@@ -458,7 +678,7 @@ def check_with_duckdb(cat: Catalogue, con=None) -> None:
     con = con or duckdb.connect()
     try:
         for r in cat.rules:
-            for p in (*r.patterns, *r.negative, *r.event_context, *r.extract):
+            for p in (*r.patterns, *r.negative, *r.event_context, *r.extract, *([r.where["logger"]] if r.where.get("logger") else [])):
                 try:
                     con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
                 except duckdb.Error as exc:

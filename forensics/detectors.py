@@ -26,7 +26,7 @@ SOURCE_PREFERENCE = {"jsonl": 0, "console": 1}
 
 @dataclass
 class Alarm:
-    cls: str  # taxonomy class
+    cls: str  # taxonomy class (the detector family's `class`)
     detector: str
     step: int
     key: str
@@ -38,6 +38,7 @@ class Alarm:
     detail: str
     ts: Any = None
     also: list[tuple[str, int]] = field(default_factory=list)  # the same step in other files
+    weight: float = 0.75  # how specific the evidence is (the family's `weights`)
 
 
 def _finite(x: float | None) -> bool:
@@ -172,7 +173,7 @@ def nonfinite(series: list[Series], conf: dict) -> list[Alarm]:
     for s in _matching(series, conf.get("nonfinite_keys") or []):
         for i, v in enumerate(s.values):
             if v is not None and (math.isnan(v) or math.isinf(v)):
-                out.append(s.alarm("training_divergence", "nonfinite", i, f"{s.key} is {_fmt(v)} at step {s.steps[i]}"))
+                out.append(s.alarm(conf.get("class"), "nonfinite", i, f"{s.key} is {_fmt(v)} at step {s.steps[i]}"))
                 break
     return out
 
@@ -195,7 +196,7 @@ def spike(series: list[Series], conf: dict) -> list[Alarm]:
                     held = len(after) >= sustain - 1 and all(_finite(x) and x >= factor * m for x in after[:sustain - 1])
                     blew_up = any(not _finite(x) for x in after)
                     if held or blew_up:
-                        out.append(s.alarm("training_divergence", "spike", i,
+                        out.append(s.alarm(conf.get("class"), "spike", i,
                                            f"{s.key} = {_fmt(v)} at step {s.steps[i]}, {v / m:.0f}x its recent median {_fmt(m)}"))
                         break
                     continue  # a lone spike that recovered: not part of the history either
@@ -244,7 +245,7 @@ def regime_change(series: list[Series], conf: dict) -> list[Alarm]:
                     rel = abs(v - bm) / abs(bm) if bm else math.inf
                     if rel >= min_rel and abs(v - bm) / scale >= min_z:
                         if best is None or st < best.step:
-                            best = w.alarm("training_divergence", "regime_change", j,
+                            best = w.alarm(conf.get("class"), "regime_change", j,
                                            f"{trig.key} jumped {max(a, b) / min(a, b):.0f}x at step {t_step} ({_fmt(a)} -> {_fmt(b)}); "
                                            f"at step {st} {w.key} = {_fmt(v)} vs {_fmt(bm)} before")
                         break
@@ -279,7 +280,7 @@ def score_collapse(series: list[Series], conf: dict) -> list[Alarm]:
             run = vals[k:k + sustain]
             if len(run) == sustain and all(v <= thr for _, v in run):
                 i = vals[k][0]
-                out.append(s.alarm("training_divergence", "score_collapse", i,
+                out.append(s.alarm(conf.get("class"), "score_collapse", i,
                                    f"{s.key} fell to {_fmt(vals[k][1])} at step {s.steps[i]} from a best of {_fmt(best)} and stayed down"))
                 break
     return out
@@ -318,7 +319,7 @@ def entropy_collapse(series: list[Series], conf: dict) -> list[Alarm]:
                         exploding = True
                 if exploding:
                     break
-                out.append(s.alarm("policy_collapse", "entropy_collapse", i,
+                out.append(s.alarm(conf.get("class"), "entropy_collapse", i,
                                    f"{s.key} fell to {_fmt(v)} at step {s.steps[i]} from {_fmt(start)} at the start"))
                 break
     return out
@@ -329,8 +330,8 @@ DIVERGENCE = (("nonfinite", nonfinite), ("spike", spike), ("regime_change", regi
 
 def run(con, settings: dict[str, Any]) -> list[Alarm]:
     """All alarms, one per (detector, series) at most, the preferred file's first."""
-    div = settings.get("training_divergence") or {}
-    col = settings.get("policy_collapse") or {}
+    div = settings.get("divergence") or {}
+    col = settings.get("entropy") or {}
     patterns: list[str] = []
     patterns += div.get("nonfinite_keys") or []
     for name in ("spike", "score_collapse"):
@@ -346,10 +347,11 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
     # taken a chunk at a time and memory does not grow with the run
     for files in _file_chunks(con, keys, CHUNK_POINTS):
         series = load_series(con, patterns, keys, files)
+        # each detector's settings carry the family's class
         alarms += nonfinite(series, div)
-        alarms += spike(series, div.get("spike") or {})
-        alarms += regime_change(series, rc)
-        alarms += score_collapse(series, div.get("score_collapse") or {})
+        alarms += spike(series, _with_class(div.get("spike"), div))
+        alarms += regime_change(series, _with_class(rc, div))
+        alarms += score_collapse(series, _with_class(div.get("score_collapse"), div))
         alarms += entropy_collapse(series, col)
         del series
     alarms.sort(key=lambda a: (a.step, SOURCE_PREFERENCE.get(a.source or "", 9), a.path))
@@ -358,10 +360,18 @@ def run(con, settings: dict[str, Any]) -> list[Alarm]:
     for a in alarms:
         first.setdefault((a.cls, a.detector), a)
     alarms = list(first.values())
+    for a in alarms:  # how specific each detector's evidence is
+        family = div if a.cls == div.get("class") and a.detector in (div.get("weights") or {}) else col
+        a.weight = float((family.get("weights") or {}).get(a.detector, 0.75))
     _corroborate(con, alarms)
     _alarm_times(con, alarms)
     _step_times(con, alarms)
     return alarms
+
+
+def _with_class(conf: dict | None, family: dict) -> dict:
+    """A detector's settings with its family's class (empty settings: the detector is off)."""
+    return {**conf, "class": family.get("class")} if conf else {}
 
 
 def _corroborate(con, alarms: list[Alarm]) -> None:

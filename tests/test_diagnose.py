@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from forensics import api, detectors, pipeline
 from forensics import diagnose as dg
 from forensics import catalogue as sig
+from forensics.diagnosis import explain, matching
 from forensics.cli import app
 
 from .conftest import FIXTURES
@@ -159,12 +160,12 @@ def test_ingest_prints_the_headline(tmp_path):
     (sig.Remedy(text="free some space"), {}, "free some space"),
 ])
 def test_remedy_text(remedy, config, text):
-    assert dg._remedy_text(remedy, dg.RunConfig(config)) == text
+    assert explain._remedy_text(remedy, dg.RunConfig(config)) == text
 
 
 def test_ranks_text():
-    assert dg._ranks_text([3]) == "rank 3"
-    assert dg._ranks_text([0, 1, 2, 3, 5, 7, 8]) == "ranks 0-3,5,7-8"
+    assert explain._ranks_text([3]) == "rank 3"
+    assert explain._ranks_text([0, 1, 2, 3, 5, 7, 8]) == "ranks 0-3,5,7-8"
 
 
 # -- metric detectors --------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def _series(key: str, values: list[float], start: int = 1) -> detectors.Series:
 
 
 def test_detector_spike_and_nonfinite():
-    div = SETTINGS["training_divergence"]
+    div = SETTINGS["divergence"]
     g = _series("actor/grad_norm", [0.4, 0.5, 0.45, 0.42, 0.48, 0.41, 7.0, math.inf])
     (spike,) = detectors.spike([g], div["spike"])
     assert spike.step == 7 and spike.line_no == 7
@@ -190,7 +191,7 @@ def test_detector_spike_and_nonfinite():
 
 
 def test_detector_regime_change_after_lr_jump():
-    rc = SETTINGS["training_divergence"]["regime_change"]
+    rc = SETTINGS["divergence"]["regime_change"]
     lr = _series("actor/lr", [1e-6] * 10 + [3e-4] * 5)
     ent = _series("actor/entropy", [2.0, 2.01, 1.99, 2.0, 2.02, 1.98, 2.0, 2.01, 2.0, 1.99, 2.0, 1.6, 1.1, 0.7, 0.5])
     (a,) = detectors.regime_change([lr, ent], rc)
@@ -200,7 +201,7 @@ def test_detector_regime_change_after_lr_jump():
 
 
 def test_detector_entropy_collapse_vs_divergence():
-    col = SETTINGS["policy_collapse"]
+    col = SETTINGS["entropy"]
     decay = [0.6 * 0.93 ** i for i in range(60)]
     (a,) = detectors.entropy_collapse([_series("actor/entropy", decay)], col)
     assert decay[a.step - 1] < col["floor"] and decay[a.step - 2] >= col["floor"]
@@ -211,7 +212,7 @@ def test_detector_entropy_collapse_vs_divergence():
 
 
 def test_detector_score_collapse():
-    sc = SETTINGS["training_divergence"]["score_collapse"]
+    sc = SETTINGS["divergence"]["score_collapse"]
     up_then_down = [0.2, 0.3, 0.4, 0.5, 0.6, 0.62, 0.63, 0.61, 0.62, 0.3, 0.2, 0.1, 0.1, 0.05, 0.1]
     (a,) = detectors.score_collapse([_series("critic/score/mean", up_then_down)], sc)
     assert a.step == 10
@@ -295,7 +296,7 @@ def test_node_of_a_pid_breaks_ties_by_name(tmp_path):
     con = duckdb.connect(db, read_only=True)
     try:
         dg.ensure_views(con)
-        dg.match(con, cat.rules, cat.rank_zero_prints)
+        matching.match(con, cat.rules, cat.rank_zero_prints)
         assert set(con.execute("SELECT DISTINCT node FROM lines WHERE pid = 4242").fetchall()) == {("10.0.0.9",), ("10.0.0.1",)}
         assert dg.RunFacts(con, cat).pid_node[4242] == "10.0.0.1"
     finally:

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from forensics import diagnose as dg
 from forensics import pipeline
 from forensics import catalogue as sig
+from forensics.diagnosis import matching
 from forensics.cli import app
 
 from .conftest import CORPUS
@@ -206,7 +207,7 @@ def matched(tmp_path_factory):
 
     con = duckdb.connect(str(db), read_only=True)
     cat = sig.load()
-    df = dg.match(con, cat.rules)
+    df = matching.match(con, cat.rules)
     con.close()
     by_line: dict[int, set[str]] = {}
     for idx, line_no in zip(df["rule_idx"].to_list(), df["line_no"].to_list()):
@@ -293,4 +294,4 @@ def test_signatures_command_lists_the_catalogue():
     doc = json.loads(r.output)
     classes = {x["class"] for x in doc["rules"]}
     assert {"oom_training", "nccl_timeout", "host_oom_ray", "healthy"} <= classes
-    assert {"training_divergence", "policy_collapse"} <= set(doc["metric_detectors"])
+    assert {"divergence", "entropy"} <= set(doc["metric_detectors"])

@@ -1,0 +1,269 @@
+"""Stage 5: the explanation — notes on time and on missing evidence, the one-line summary,
+the cascade, remediation that quotes the run's own config values, findings, and the
+readable report of ``forensics diagnose``."""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+import duckdb
+
+from ..catalogue import Remedy
+from .context import Context
+from .facts import RunConfig, RunFacts
+from .model import Diagnosis, Event, Evidence, Finding, Hit, clip
+
+
+def time_notes(ctx: Context, root: Event, origin: Hit) -> list[str]:
+    if origin.alarm is not None:
+        return []
+    if root.precise_any:
+        q = next(h.ts_quality for h in root.hits if h.precise)
+        if q in ("year_inferred", "no_year"):
+            return ["the root cause's time is printed without a year; the year was inferred from other stamps of the run"]
+        return []
+    if root.lo is not None:
+        when = (f"between {root.lo:%Y-%m-%d %H:%M:%S} and {root.hi:%Y-%m-%d %H:%M:%S}" if root.hi
+                else f"at or after {root.lo:%Y-%m-%d %H:%M:%S}")
+        return [f"the root-cause line carries no timestamp of its own: it happened {when} "
+                "(times taken from neighbouring lines; the order was decided with that uncertainty)"]
+    return ["the root-cause line has no timestamp and none could be inferred; the order of events was taken from file positions"]
+
+
+def missing_evidence_notes(ctx: Context, cls: str, facts: RunFacts, root: Event) -> list[str]:
+    """What evidence would have shown more (the catalogue's ``causality.evidence_notes``,
+    then the class's debugging switches not already named)."""
+    notes = []
+    for n in ctx.causality.evidence_notes:
+        if n.classes and cls not in n.classes:
+            continue
+        if all(_holds(cond, value, facts, root) for cond, value in n.when):
+            notes.append(n.text.format(dedup_lines=facts.dedup_lines))
+    info = ctx.cat.classes.get(cls)
+    if info:
+        for d in info.debug:
+            names = set(re.findall(r"[A-Za-z_]+(?:[._=][A-Za-z_]+)+", d))
+            if not any(name in n for n in notes for name in names):
+                notes.append(d)
+    return notes
+
+
+def _holds(cond: str, value: Any, facts: RunFacts, root: Event) -> bool:
+    """One condition of an evidence note (catalogue.NOTE_CONDITIONS) on the run's facts."""
+    if cond == "no_nccl_lines":
+        return (not facts.has_nccl_lines) == bool(value)
+    if cond == "missing_format":
+        return not facts.formats.get(value)
+    if cond == "dedup_lines":
+        return bool(facts.dedup_lines) == bool(value)
+    if cond == "root_role":
+        return root.role == value
+    if cond == "config":
+        return all(facts.config.get(k) == v and type(facts.config.get(k)) is type(v) for k, v in value.items())
+    raise ValueError(f"unknown evidence-note condition {cond!r}")
+
+
+def summary(ctx: Context, root: Event, cls: str, rank: int | None, origin: Hit) -> str:
+    what = describe(origin) or origin.rule.title or cls
+    who = f"rank {rank}" if rank is not None else (f"pid {origin.proc}" if origin.proc is not None else "the run")
+    return f"{who}: {what}"
+
+
+def describe(h: Hit) -> str | None:
+    tpl = h.rule.describe
+    if not tpl:
+        return None
+    vals = dict(h.groups)
+    for k, v in list(vals.items()):
+        if k.endswith("_ms") and v.isdigit():
+            vals[k[:-3] + "_s"] = f"{int(v) / 1000:g}"
+    try:
+        return tpl.format_map(defaultdict(lambda: "?", vals))
+    except (ValueError, IndexError):
+        return tpl
+
+
+def cascade(ctx: Context, hits: list[Hit], cls: str, rank: int | None) -> list[str]:
+    by_desc: dict[str, list[Hit]] = defaultdict(list)
+    for h in hits:
+        d = describe(h) or h.rule.title or h.rule.id
+        by_desc[d].append(h)
+    lines = []
+    cause = f"{cls}" + (f" on rank {rank}" if rank is not None else "")
+    ordered = sorted(by_desc.items(), key=lambda kv: min((h.ts or datetime.max) for h in kv[1]))
+    for desc, hs in ordered[:12]:
+        ranks = sorted({h.rank for h in hs if h.rank is not None})
+        files = sorted({h.path for h in hs})
+        who = (_ranks_text(ranks) if ranks else "driver" if all(h.fmt == "driver" for h in hs)
+               else files[0] if len(files) == 1 else f"{len(files)} files")
+        same = all(h.cls == cls for h in hs)
+        lines.append(f"{who}: {desc}" + (" (the same failure seen by other processes)" if same else f" — caused by {cause}"))
+    return lines
+
+
+def remediation(ctx: Context, cls: str, root: Event, phase: str | None, config: RunConfig) -> list[str]:
+    items: list[Remedy] = []
+    for h in root.hits:
+        for r in h.rule.remediation:
+            if r not in items:
+                items.append(r)
+    info = ctx.cat.classes.get(cls)
+    if info:
+        items.extend(r for r in info.remediation if r not in items)
+    out: list[str] = []
+    keys: set[str] = set()
+    for r in items:
+        if r.key and r.key in keys:
+            continue  # the rule's own advice on this key comes first
+        text = _remedy_text(r, config)
+        if text and text not in out:
+            out.append(text)
+            if r.key:
+                keys.add(r.key)
+    return out[:8]
+
+
+def performance_findings(ctx: Context, notes: list[str]) -> list[Finding]:
+    """Stragglers, slow weight sync, rollout long tail, step-time jumps
+    (:mod:`forensics.findings`, over the phase-attribution views)."""
+    try:
+        from .. import findings as findings_mod
+        from .. import phases as phases_mod
+    except ImportError as exc:
+        notes.append(f"performance findings unavailable: {exc}")
+        return []
+    try:
+        phases_mod.attach(ctx.con)
+        rows = findings_mod.findings(ctx.con)
+    except (duckdb.Error, ValueError, KeyError, OSError) as exc:
+        notes.append(f"performance findings unavailable: {exc.__class__.__name__}: {exc}")
+        return []
+    out = []
+    for r in rows:
+        r = dict(r)
+        ev = [Evidence(e.get("file"), e.get("line"), e.get("text", "")) for e in r.pop("evidence", None) or []]
+        out.append(Finding(str(r.pop("id")), r.pop("rank", None), str(r.pop("detail", "")), ev, r))
+    return out
+
+
+def line_findings(ctx: Context, hits: list[Hit]) -> list[Finding]:
+    by_id: dict[str, list[Hit]] = defaultdict(list)
+    for h in hits:
+        if h.rule.role == "finding":
+            by_id[h.rule.finding or h.rule.id].append(h)
+    out = []
+    for fid, hs in by_id.items():
+        hs.sort(key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+        ranks = {h.rank for h in hs if h.rank is not None}
+        detail = (describe(hs[0]) or hs[0].rule.title or fid) + f" ({len(hs)} line(s))"
+        out.append(Finding(fid, next(iter(ranks)) if len(ranks) == 1 else None, detail, [hs[0].evidence()]))
+    return out
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(parts)
+
+
+def _fmt_value(v: Any) -> str:
+    if v is None:
+        return "unset"
+    if isinstance(v, bool):
+        return "True" if v else "False"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
+    why = f" ({r.why})" if r.why else ""
+    if r.key is None:
+        return r.text
+    cur = config.get(r.key) if config.has(r.key) else None
+    suggestion = None
+    if r.to is not None:
+        suggestion = r.to
+    elif r.scale is not None and isinstance(cur, (int, float)) and not isinstance(cur, bool):
+        new = cur * r.scale
+        if r.min is not None:
+            new = max(new, r.min)
+        if r.max is not None:
+            new = min(new, r.max)
+        suggestion = max(1, int(round(new))) if isinstance(cur, int) else round(new, 4)
+    if config.has(r.key):
+        if suggestion is not None and _fmt_value(suggestion) == _fmt_value(cur):
+            return None  # already what we would suggest
+        if suggestion is not None:
+            return f"{r.key} is {_fmt_value(cur)} here; try {_fmt_value(suggestion)}{why}"
+        return f"{r.key} is {_fmt_value(cur)} here{why}"
+    if suggestion is not None:
+        return f"{r.key}: try {_fmt_value(suggestion)}{why}"
+    if r.scale is not None:
+        direction = "lower" if r.scale < 1 else "raise"
+        return f"{r.key}: {direction} it{why}"
+    return f"{r.key}{why}" if why else r.key
+
+
+# -- text output ---------------------------------------------------------------------------
+
+def render(d: Diagnosis, verbose: bool = False) -> str:
+    """The readable report of ``forensics diagnose``."""
+    lines: list[str] = []
+    if d.verdict == "healthy":
+        lines.append("verdict: healthy")
+        if d.end_evidence:
+            e = d.end_evidence
+            lines.append(f"  ended: {e.file}:{e.line}: {clip(e.text, 160)}")
+    else:
+        lines.append("verdict: failed")
+        for i, r in enumerate(d.root_causes):
+            label = "root cause" if i == 0 else "also"
+            lines.append("")
+            lines.append(f"{label}: {r.id} — {r.title} (confidence {r.confidence:.2f})")
+            how = {"pid_order": "by pid order", "start_order": "by worker start order", "lowest_free_rank": "guessed",
+                   "missing_from_cascade": "the rank missing from the timeouts", "lagging": "behind in the collectives",
+                   "local_device": "from the local GPU index",
+                   "same_process": "from the process's other lines", "pid": "from the process's pid"}.get(r.rank_source or "")
+            where = [(f"rank {r.rank}" + (f" ({how})" if how else "")) if r.rank is not None else "rank unknown",
+                     f"node {r.node}" if r.node else None, f"phase {r.phase}" if r.phase else None,
+                     f"step {r.step}" if r.step is not None else None]
+            lines.append("  " + ", ".join(w for w in where if w))
+            if r.summary:
+                lines.append(f"  {r.summary}")
+            for j, e in enumerate(r.evidence if (i == 0 or verbose) else r.evidence[:1]):
+                ts = f" [{e.ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}]" if e.ts else ""
+                lines.append(f"  {'evidence' if j == 0 else '        '}: {e.file}:{e.line}{ts}")
+                lines.append(f"            {clip(e.text, 200)}")
+            if r.symptoms:
+                lines.append(f"  symptoms: {', '.join(r.symptoms)}")
+            if r.cascade:
+                lines.append("  cascade:")
+                for c in r.cascade:
+                    lines.append(f"    - {c}")
+            if r.remediation:
+                lines.append("  remediation:")
+                for m in r.remediation:
+                    lines.append(f"    - {m}")
+            if r.notes and i == 0:
+                lines.append("  notes:")
+                for n in r.notes:
+                    lines.append(f"    - {n}")
+    if d.findings:
+        lines.append("")
+        lines.append("findings:")
+        for f in d.findings:
+            lines.append(f"  - {f.id}{'' if f.rank is None else f' (rank {f.rank})'}: {f.detail}")
+    for n in d.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)

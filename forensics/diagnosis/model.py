@@ -1,0 +1,240 @@
+"""What a diagnosis is made of: the result it returns (``to_dict()`` is the ``forensics
+diagnose --json`` object of ../shared/contract.md) and the records the stages pass along
+(a :class:`Hit` is one rule matching one line or one fatal event; an :class:`Event` is one
+failure seen through one or more hits)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from .. import detectors
+from ..catalogue import Rule
+
+# File formats that are a process's own output (not a copy on the driver): their lines are
+# cited before a driver's prefixed copy of the same failure.
+ORIGIN_FORMATS = {"ray_worker", "kernel", "nccl_debug", "ray_raylet", "ray_gcs_server", "ray_monitor", "vllm"}
+PRECISE = ("full", "year_inferred", "no_year")  # stamps printed on the line itself
+
+
+def clip(s: str, n: int) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 1] + "\u2026"
+
+
+# -- result types -------------------------------------------------------------------------
+
+@dataclass
+class Evidence:
+    file: str
+    line: int | None
+    text: str
+    ts: str | None = None
+    ts_quality: str | None = None
+    rule: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {"file": self.file, "line": self.line, "text": self.text}
+        if self.ts:
+            d["ts"] = self.ts
+        if self.ts_quality:
+            d["ts_quality"] = self.ts_quality
+        if self.rule:
+            d["rule"] = self.rule
+        return d
+
+
+@dataclass
+class RootCause:
+    id: str
+    confidence: float
+    rank: int | None
+    node: str | None
+    phase: str | None
+    step: int | None
+    evidence: list[Evidence]
+    symptoms: list[str]
+    remediation: list[str]
+    title: str = ""
+    summary: str = ""
+    cascade: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    rank_source: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id, "confidence": round(self.confidence, 2), "rank": self.rank, "node": self.node,
+            "phase": self.phase, "step": self.step, "evidence": [e.to_dict() for e in self.evidence],
+            "symptoms": self.symptoms, "remediation": self.remediation,
+            "title": self.title, "summary": self.summary, "cascade": self.cascade, "notes": self.notes,
+            "rank_source": self.rank_source,
+        }
+
+
+@dataclass
+class Finding:
+    id: str
+    rank: int | None
+    detail: str
+    evidence: list[Evidence] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. phase, steps, value, source
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "rank": self.rank, "detail": self.detail, **self.extra}
+        if self.evidence:
+            d["evidence"] = [e.to_dict() for e in self.evidence]
+        return d
+
+
+@dataclass
+class Diagnosis:
+    verdict: str  # "failed" | "healthy"
+    root_causes: list[RootCause]
+    findings: list[Finding]
+    notes: list[str] = field(default_factory=list)
+    end_evidence: Evidence | None = None  # what says a healthy run ended well
+    seconds: float = 0.0
+    rules: int = 0
+
+    def to_dict(self) -> dict:
+        d = {
+            "verdict": self.verdict,
+            "root_causes": [r.to_dict() for r in self.root_causes],
+            "findings": [f.to_dict() for f in self.findings],
+            "notes": self.notes,
+        }
+        if self.end_evidence is not None:
+            d["end"] = self.end_evidence.to_dict()
+        return d
+
+    def headline(self) -> str:
+        if self.verdict == "healthy":
+            why = f" ({self.end_evidence.file}:{self.end_evidence.line}: {clip(self.end_evidence.text, 80)})" if self.end_evidence else ""
+            return f"healthy{why}"
+        r = self.root_causes[0]
+        where = []
+        if r.rank is not None:
+            where.append(f"rank {r.rank}")
+        if r.node:
+            where.append(f"node {r.node}")
+        if r.phase:
+            where.append(f"phase {r.phase}")
+        if r.step is not None:
+            where.append(f"step {r.step}")
+        ev = r.evidence[0] if r.evidence else None
+        cite = f" — {ev.file}:{ev.line}: {clip(ev.text, 100)}" if ev else ""
+        return f"failed: {r.id} ({r.confidence:.2f})" + (f" on {', '.join(where)}" if where else "") + cite
+
+
+# -- internal records --------------------------------------------------------------------
+
+@dataclass
+class Hit:
+    rule: Rule
+    file_id: int
+    path: str
+    fmt: str | None
+    line_no: int | None
+    ts: datetime | None
+    ts_quality: str | None
+    level: str | None
+    header: str | None
+    actor: str | None
+    pid: int | None
+    node: str | None
+    rank: int | None
+    event_line: int | None
+    message: str
+    file_pid: int | None = None
+    text: str | None = None
+    task_pid: int | None = None  # the worker named by the Ray task header this traceback is printed under
+    groups: dict[str, str] = field(default_factory=dict)
+    ts_hi: datetime | None = None
+    body: str | None = None  # the traceback the line belongs to
+    phase: str | None = None
+    phase_source: str | None = None
+    cls: str = ""
+    rank_source: str | None = None
+    step: int | None = None
+    alarm: detectors.Alarm | None = None
+
+    @property
+    def proc(self) -> int | None:
+        """The process the line is about (a killed pid named in the text wins)."""
+        g = self.groups.get("pid")
+        if g and g.isdigit():
+            return int(g)
+        if self.task_pid is not None:
+            return self.task_pid
+        return self.pid if self.pid is not None else self.file_pid
+
+    @property
+    def cuda_dev(self) -> int | None:
+        """The local CUDA device of an NCCL line (``host:pid:tid [dev] NCCL ...``)."""
+        if self.header != "nccl" or not self.text:
+            return None
+        m = re.search(r"[\w.\-]+:\d+:\d+ \[(\d+)\] ", self.text)
+        return int(m.group(1)) if m else None
+
+    @property
+    def precise(self) -> bool:
+        return self.ts is not None and self.ts_quality in PRECISE
+
+    def evidence(self) -> Evidence:
+        return Evidence(self.path, self.line_no, self.message.strip() if self.message else "",
+                        ts=self.ts.isoformat(sep=" ") if self.ts else None, ts_quality=self.ts_quality, rule=self.rule.id)
+
+
+@dataclass
+class Event:
+    """One failure as seen through one or more files (copies of the same lines)."""
+
+    cls: str
+    hits: list[Hit]
+    role: str
+
+    @property
+    def weight(self) -> float:
+        return max(h.rule.weight for h in self.hits)
+
+    @property
+    def lo(self) -> datetime | None:
+        precise = [h.ts for h in self.hits if h.precise]
+        if precise:
+            return min(precise)
+        inherited = [h.ts for h in self.hits if h.ts is not None]
+        return max(inherited) if inherited else None
+
+    @property
+    def hi(self) -> datetime | None:
+        precise = [h.ts for h in self.hits if h.precise]
+        if precise:
+            return min(precise)
+        his = [h.ts_hi for h in self.hits if h.ts_hi is not None]
+        return min(his) if his else None
+
+    @property
+    def origin(self) -> Hit:
+        """The line to cite: in the process's own file before a driver copy, the earliest
+        line, unless a clearly more specific line of the same moment follows it."""
+        def own(h: Hit) -> int:
+            return 0 if (h.fmt in ORIGIN_FORMATS or (h.file_pid is not None and h.file_pid == h.proc)) else 1
+        best_own = min(own(h) for h in self.hits)
+        pool = [h for h in self.hits if own(h) == best_own]
+        first = min(pool, key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+        better = [h for h in pool if h.path == first.path and h.rule.weight >= first.rule.weight + 0.2
+                  and (h.ts is None or first.ts is None or abs(h.ts - first.ts) <= timedelta(seconds=2))]
+        return max(better, key=lambda h: h.rule.weight) if better else first
+
+    @property
+    def rank(self) -> int | None:
+        for h in sorted(self.hits, key=lambda h: h.rank_source != "line"):
+            if h.rank is not None:
+                return h.rank
+        return None
+
+    @property
+    def precise_any(self) -> bool:
+        return any(h.precise for h in self.hits)
+

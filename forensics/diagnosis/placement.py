@@ -1,0 +1,153 @@
+"""Stage 2: placing each hit — the process it is about, its rank, node and phase, the
+traceback it belongs to, and the interval its time lies in (lines without a stamp of their
+own inherited the previous one: the truth lies between that and the next stamp)."""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import pyarrow as pa
+
+from .context import Context
+from .facts import RunFacts
+from .model import PRECISE, Hit
+
+
+def keyed_rows(ctx: Context, name: str, keys, column: str, sql: str) -> list[tuple]:
+    """Run ``sql`` with the (file_id, ``column``) pairs ``keys`` registered as the table
+    ``name`` (the hits' lines, looked up in one query instead of one per hit)."""
+    keys = list(keys)
+    k = pa.table({"file_id": pa.array([a for a, _ in keys], pa.int32()), column: pa.array([b for _, b in keys], pa.int64())})
+    ctx.con.register(name, k)
+    try:
+        return ctx.con.execute(sql).fetchall()
+    finally:
+        ctx.con.unregister(name)
+
+
+def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
+    # a line just after a traceback (an exception message continued on indented lines)
+    # belongs to it
+    loose = [(h.file_id, h.line_no) for h in hits if h.event_line is None and h.line_no]
+    if loose:
+        prev = keyed_rows(ctx, "_diag_loose", loose, "line_no",
+                          """SELECT n.file_id, n.line_no, max(l.event_line) FROM _diag_loose n JOIN lines l
+                             ON l.file_id = n.file_id AND l.line_no BETWEEN n.line_no - 3 AND n.line_no - 1
+                             WHERE l.event_line IS NOT NULL GROUP BY n.file_id, n.line_no""")
+        near = {(a, b): c for a, b, c in prev}
+        for h in hits:
+            if h.event_line is None and (h.file_id, h.line_no) in near:
+                h.event_line = near[(h.file_id, h.line_no)]
+    keys = {(h.file_id, h.event_line) for h in hits if h.event_line is not None}
+    if not keys:
+        return
+    rows = keyed_rows(ctx, "_diag_events", keys, "event_line",
+                      """SELECT l.file_id, l.event_line, string_agg(l.message, chr(10) ORDER BY l.line_no)
+                         FROM lines l SEMI JOIN _diag_events e ON l.file_id = e.file_id AND l.event_line = e.event_line
+                         GROUP BY l.file_id, l.event_line""")
+    bodies = {(a, b): c for a, b, c in rows}
+    for h in hits:
+        if h.event_line is not None:
+            h.body = bodies.get((h.file_id, h.event_line))
+
+
+def attach_ts_hi(ctx: Context, hits: list[Hit]) -> None:
+    need = [(h.file_id, h.line_no) for h in hits if h.ts_quality not in PRECISE and h.line_no is not None]
+    if not need:
+        return
+    rows = keyed_rows(ctx, "_diag_need", need, "line_no",
+                      """SELECT n.file_id, n.line_no, s.ts FROM _diag_need n ASOF LEFT JOIN
+                         (SELECT file_id, line_no, ts FROM lines WHERE ts_quality IN ('full', 'year_inferred', 'no_year')) s
+                         ON n.file_id = s.file_id AND s.line_no >= n.line_no""")
+    nxt = {(a, b): c for a, b, c in rows}
+    for h in hits:
+        if h.ts_quality not in PRECISE:
+            h.ts_hi = nxt.get((h.file_id, h.line_no))
+
+
+def attach_task_pids(ctx: Context, hits: list[Hit]) -> None:
+    """A traceback printed under a Ray task header (``RayTaskError(...): ray::X.m() (pid=N``,
+    ``Unhandled error ...: ray::X.m() (pid=N``) is worker N's, even when the driver's
+    TaskRunner prints it: the nearest such header above the line, within 60 lines."""
+    driver = set(ctx.causality.driver_actors)
+    heads: dict[int, list[tuple[int, int, str | None]]] = defaultdict(list)
+    for file_id, line_no, pid, actor_class in ctx.con.execute(
+        "SELECT file_id, line_no, pid, actor_class FROM ray_task_errors WHERE pid IS NOT NULL ORDER BY file_id, line_no"
+    ).fetchall():
+        heads[file_id].append((line_no, pid, actor_class))
+    for h in hits:
+        if h.line_no is None or h.file_id not in heads:
+            continue
+        if h.pid is not None and h.actor not in driver:
+            continue
+        best = None
+        for line_no, pid, actor_class in heads[h.file_id]:
+            if line_no > h.line_no:
+                break
+            if h.line_no - line_no <= 60:
+                best = (pid, actor_class)
+        if best and best[1] not in driver:
+            h.task_pid = best[0]
+
+
+def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
+    task_methods = facts.task_methods
+    bodies_by_proc: dict[int, list[Hit]] = defaultdict(list)
+    for h in hits:
+        if h.body and h.proc is not None:
+            bodies_by_proc[h.proc].append(h)
+    first_metric_line = {fid: ln for fid, ln in ctx.con.execute(
+        "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
+    for h in hits:
+        # rank: printed on the line, named in its text, or known for its process
+        named = [int(x) for x in re.findall(r"\d+", h.groups.get("ranks", ""))]
+        if len(named) == 1:  # a report naming one other rank (the desync report's lagging rank)
+            h.rank, h.rank_source = named[0], "text"
+        elif h.groups.get("rank", "").isdigit():
+            h.rank, h.rank_source = int(h.groups["rank"]), "text"
+        elif h.rank is not None:
+            # an NCCL header prints the local device, not the rank: the parser filled the
+            # rank from the process's communicator lines
+            h.rank_source = "pid" if h.header == "nccl" else "line"
+        else:
+            m = re.search(r"\[[Rr]ank[ _]?(\d+)\]", h.message)
+            if m:
+                h.rank, h.rank_source = int(m.group(1)), "text"
+            elif h.proc is not None and h.proc in facts.pid_rank:
+                h.rank, h.rank_source = facts.pid_rank[h.proc], "pid"
+        # node
+        if h.node and h.proc is not None and h.proc in facts.pid_node and facts.pid_node[h.proc] != h.node:
+            facts.alias(h.node, facts.pid_node[h.proc])
+        if h.groups.get("node"):
+            h.node = h.groups["node"]
+        elif h.proc is not None and (h.node is None or h.task_pid is not None):
+            h.node = facts.pid_node.get(h.proc, h.node)
+        # phase: a rule's own phase; the frames of its traceback (or of the same failure's
+        # traceback in another file); the failing Ray task's method; training not started
+        ph, src = (h.rule.phase, "rule") if h.rule.phase else (None, None)
+        if ph is None:
+            ph = ctx.phase_of(h.body, frames_only=True)
+            src = "frames" if ph else None
+        if ph is None and h.proc is not None:
+            # the traceback of the same process: the same failure copied to another file,
+            # or the exception a failing line leads to a few lines later
+            def near(o: Hit) -> tuple:
+                same = o.rule.id == h.rule.id
+                return (not same, o.file_id != h.file_id, abs((o.line_no or 0) - (h.line_no or 0)))
+            for o in sorted(bodies_by_proc.get(h.proc, []), key=near):
+                if o.rule.id != h.rule.id and (o.file_id != h.file_id or abs((o.line_no or 0) - (h.line_no or 0)) > 40):
+                    continue
+                ph = ctx.phase_of(o.body, frames_only=True)
+                if ph:
+                    src = "frames"
+                    break
+        if ph is None and h.proc is not None and h.proc in task_methods:
+            ph, src = ctx.phase_of(task_methods[h.proc]), "ray_task"
+        if ph is None and h.event_line is None:  # what the line itself talks about ("tool calls")
+            ph = ctx.phase_of(h.message)
+            src = "message" if ph else None
+        if ph is None and facts.before_first_step(h, first_metric_line):
+            ph, src = "init", "before_first_step"
+        h.phase, h.phase_source = ph, src
+
+ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}

@@ -1,0 +1,232 @@
+"""Stage 3: from placed hits to events, and the choice of the root cause.
+
+Hits of one failure seen through several files (a worker's ``.err`` file and the driver's
+prefixed copy) become one :class:`Event`. The root cause is the earliest concrete cause
+(role ``cause``, or a metric-trend alarm); a ``generic`` cause (an exception no class
+describes) only when no specific one is there; only when there is no cause at all does a
+``fallback`` (watchdog timeout, actor death, ...) become the root. What relates one failure
+to another (teardown after the first collective timeout, noise after the end of the run,
+stalls, causes that give way to others) is data: the catalogue's ``causality`` section.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from .. import detectors
+from ..catalogue import Rule
+from .context import Context
+from .facts import RunFacts
+from .model import Event, Hit
+
+ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}
+
+
+def resolve_classes(hits: list[Hit]) -> list[Hit]:
+    """Apply event_context / requires / class_if_present / class_by_phase; drop hits
+    whose conditions fail. A line matched by rules of several roles keeps the strongest
+    role only (an OOM line is not also a generic uncaught exception)."""
+    kept: list[Hit] = []
+    for h in hits:
+        r = h.rule
+        if r.event_context:
+            text = h.body or h.message
+            if not any(re.search(p, text) for p in r.event_context):
+                continue
+        kept.append(h)
+    present = {h.rule.id for h in kept}
+    out = []
+    for h in kept:
+        r = h.rule
+        if r.requires and not any(x in present for x in r.requires):
+            continue
+        cls = None
+        for rid, c in r.class_if_present.items():
+            if rid in present:
+                cls = c
+                break
+        if cls is None and h.phase and h.phase in r.class_by_phase:
+            cls = r.class_by_phase[h.phase]
+        h.cls = cls or r.class_by_phase.get("default") or r.cls
+        out.append(h)
+    best: dict[tuple[int, int | None], int] = {}
+    for h in out:
+        if h.rule.role in ("cause", "fallback", "symptom"):
+            k = (h.file_id, h.line_no)
+            best[k] = min(best.get(k, 9), ROLE_RANK[h.rule.role])
+    return [h for h in out if h.rule.role not in ("cause", "fallback", "symptom")
+            or ROLE_RANK[h.rule.role] == best[(h.file_id, h.line_no)]]
+
+
+def events(hits: list[Hit], role: str) -> list[Event]:
+    """The hits of one role grouped into events: one per (class, process), else per
+    (class, traceback), else per line."""
+    groups: dict[tuple, list[Hit]] = defaultdict(list)
+    for h in hits:
+        if h.rule.role != role:
+            continue
+        if h.proc is not None:
+            key = (h.cls, "pid", h.proc)
+        elif h.event_line is not None:
+            key = (h.cls, "tb", h.file_id, h.event_line)
+        else:
+            key = (h.cls, "line", h.file_id, h.line_no)
+        groups[key].append(h)
+    return [Event(cls=k[0], hits=v, role=role) for k, v in groups.items()]
+
+
+def order_key(e: Event):
+    """Earliest first. A stamp inherited from an earlier line is a lower bound: at an equal
+    time the line that carries its own stamp comes first. Metric alarms without a time
+    are ordered by step."""
+    lo = e.lo
+    o = e.origin
+    return (lo is None, lo or datetime.max, not e.precise_any, o.step if o.step is not None else math.inf,
+            -e.weight, o.path, o.line_no or 0)
+
+
+def compare(a: Event, b: Event) -> int:
+    """Earlier first (see :func:`order_key`); at the same time, file order decides within
+    one file (the earlier line happened first), the more specific line across files."""
+    ka, kb = order_key(a)[:4], order_key(b)[:4]
+    if ka != kb:
+        return -1 if ka < kb else 1
+    oa, ob = a.origin, b.origin
+    if oa.path == ob.path and oa.line_no != ob.line_no:
+        return -1 if (oa.line_no or 0) < (ob.line_no or 0) else 1
+    ra, rb = order_key(a)[4:], order_key(b)[4:]
+    return (ra > rb) - (ra < rb)
+
+
+def alarm_event(ctx: Context, a: detectors.Alarm) -> Event:
+    """A metric-trend alarm as a cause event (its line is the metrics line of the step)."""
+    rule = Rule(id=f"metric_{a.detector}", cls=a.cls, role="cause", patterns=(".",), keywords=(), keywords_ci=(),
+                weight=a.weight, title=a.detail, phase="train")
+    row = ctx.con.execute("SELECT message FROM lines WHERE file_id = ? AND line_no = ?", [a.file_id, a.line_no]).fetchall()
+    h = Hit(rule=rule, file_id=a.file_id, path=a.path, fmt="metrics", line_no=a.line_no, ts=a.ts,
+            ts_quality="step_time" if a.ts else None, level=None, header=None, actor=None, pid=None, node=None,
+            rank=None, event_line=None, message=row[0][0] if row else a.detail, cls=a.cls, phase="train",
+            phase_source="metrics", step=a.step, alarm=a)
+    return Event(cls=a.cls, hits=[h], role="cause")
+
+
+@dataclass
+class Choice:
+    """The outcome of selection: the root event (None: healthy), and the pools the
+    incident is built from."""
+
+    root: Event | None
+    causes: list[Event]
+    fallbacks: list[Event]
+    demoted: list[Event]  # causes that came after the first collective timeout: its consequences
+    symptoms: list[Event]
+    ends: list[Hit]
+    stops: list[Hit]
+    notes: list[str] = field(default_factory=list)
+
+
+def training_went_on(e: Event, facts: RunFacts) -> bool:
+    """More training steps were logged after the event (in its file, or later in time)."""
+    h = e.origin
+    if facts.last_metric_line.get(h.file_id, 0) > (h.line_no or 0):
+        return True
+    return bool(e.hi and facts.step_times and facts.step_times[-1][1] > e.hi)
+
+
+def fallback_tier(e: Event) -> float:
+    return round(e.weight, 2)
+
+
+def prefer_simultaneous(ctx: Context, root: Event, pool: list[Event]) -> Event:
+    """Among events of the root's class within a moment of it (one failure printed as
+    several lines, e.g. the kernel's "invoked oom-killer" then "Killed process"), cite the
+    most specific one (highest weight); a stamped line before an unstamped one."""
+    if root.lo is None:
+        return root
+    same = [e for e in pool if e.cls == root.cls and e.lo is not None and abs(e.lo - root.lo) <= ctx.same_moment
+            and (e.precise_any or not root.precise_any) and e.weight >= root.weight + ctx.causality.clearly_more_specific]
+    if not same:
+        return root
+    return min(same, key=lambda e: (-e.weight, e.lo, e.origin.path, e.origin.line_no or 0))
+
+
+def stalled(ctx: Context, hits: list[Hit], root_cls: str) -> tuple[Hit, str, str] | None:
+    """A process that began something a stall rule names and never finished it, when the
+    root is a class that stall explains: (its first line, the class it becomes, the note)."""
+    for st in ctx.causality.stalls:
+        if root_cls not in st.explains:
+            continue
+        started: dict[int, Hit] = {}
+        done: set[int] = set()
+        for h in hits:
+            if h.proc is None:
+                continue
+            if h.rule.id == st.started:
+                started.setdefault(h.proc, h)
+            elif h.rule.id == st.finished:
+                done.add(h.proc)
+        waiting = [h for p, h in started.items() if p not in done]
+        if len(waiting) == 1:
+            h = waiting[0]
+            return h, st.becomes, st.note.format(path=h.path, line=h.line_no)
+    return None
+
+
+def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: RunFacts) -> Choice:
+    """Sort the events into root, causes, fallbacks and symptoms."""
+    causality = ctx.causality
+    notes: list[str] = []
+    ends = sorted((h for h in hits if h.rule.role == "end"), key=lambda h: (h.ts or datetime.min, h.path, h.line_no or 0))
+    stops = sorted((h for h in hits if h.rule.role == "stop"), key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+    causes = events(hits, "cause")
+    fallbacks = events(hits, "fallback")
+    symptoms = events(hits, "symptom")
+    causes += [alarm_event(ctx, a) for a in alarms]  # metric alarms are causes too
+
+    # a generic exception after which training went on (more steps logged) was handled
+    fallbacks = [e for e in fallbacks if e.weight > 0.3 or not training_went_on(e, facts)]
+    end_ts = max((h.ts for h in ends if h.ts is not None), default=None)
+    stop_ts = stops[0].ts if stops else None
+    noise = set(causality.shutdown_noise)
+    if ends:
+        # a run that reached its end: generic wrappers, fallbacks after the end and peers
+        # dropping connections / actors exiting during shutdown are noise
+        fallbacks = [e for e in fallbacks if not (end_ts and e.lo and e.lo >= end_ts) and e.weight > 0.3]
+        causes = [e for e in causes if not (end_ts and e.lo and e.lo >= end_ts and e.cls in noise)]
+    if stops:
+        fallbacks = [e for e in fallbacks if not (stop_ts is None or e.lo is None or e.lo >= stop_ts - timedelta(seconds=5))]
+        causes = [e for e in causes if not (stop_ts and e.lo and e.lo > stop_ts)]
+    if not causes and not fallbacks:
+        return Choice(None, [], [], [], symptoms, ends, stops, notes)
+
+    # a concrete cause explains a collective timeout only if it could have come before it:
+    # one that is stamped clearly after the first collective timeout is part of the teardown
+    demoted: list[Event] = []
+    timeouts = set(causality.collective_timeouts)
+    first_timeout = min((h.ts for h in hits if h.rule.id in timeouts and h.precise), default=None)
+    if first_timeout is not None:
+        explaining = [e for e in causes if e.lo is None or e.lo <= first_timeout + ctx.same_moment]
+        if not explaining and causes:
+            notes.append("concrete errors were logged only after the first collective timeout "
+                         f"({first_timeout:%Y-%m-%d %H:%M:%S}); they are treated as its consequences")
+            demoted.extend(causes)
+            causes = []
+    if causes:
+        causes.sort(key=functools.cmp_to_key(compare))
+        root = prefer_simultaneous(ctx, causes[0], causes)
+    else:
+        fallbacks.sort(key=lambda e: (-fallback_tier(e), *order_key(e)))
+        root = fallbacks[0]
+        root = prefer_simultaneous(ctx, root, [e for e in fallbacks if fallback_tier(e) == fallback_tier(root)])
+        stall = stalled(ctx, hits, root.cls)
+        if stall is not None:
+            # the others waited in a collective while this process never finished
+            h, becomes, note = stall
+            h.cls = becomes
+            root = Event(cls=becomes, hits=[h], role="cause")
+            notes.append(note)
+    return Choice(root, causes, fallbacks, demoted, symptoms, ends, stops, notes)
