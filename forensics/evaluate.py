@@ -13,7 +13,12 @@ itself is never ingested. Figures:
   (any)** accepts any evidence line of the top root cause. The first figure is the one the
   tests hold to;
 * **rank**: the root cause's rank equals ``rank``, over the labels that name one;
-* **healthy false failures**: healthy bundles diagnosed as failed.
+* **healthy false failures**: healthy bundles diagnosed as failed;
+* **failures called healthy**: failed bundles diagnosed healthy or incomplete (a crash
+  must never pass for a healthy run).
+
+A verdict ``incomplete`` (no failure found, no end-of-run marker) counts as right for a
+healthy label: the logs show no failure, and say they may not be whole.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from . import diagnose as dg
 from . import pipeline
 
 LINE_TOLERANCE = 3
+NOT_FAILED = ("healthy", "incomplete")  # verdicts of a diagnosis that found no failure
 
 
 @dataclass
@@ -81,7 +87,12 @@ class EvalReport:
     @property
     def healthy_false_failures(self) -> tuple[int, int]:
         healthy = [c for c in self.cases if c.expected == "healthy"]
-        return sum(1 for c in healthy if c.got != "healthy"), len(healthy)
+        return sum(1 for c in healthy if c.got not in NOT_FAILED), len(healthy)
+
+    @property
+    def failures_called_healthy(self) -> tuple[int, int]:
+        failed = [c for c in self.cases if c.expected != "healthy"]
+        return sum(1 for c in failed if c.got in NOT_FAILED), len(failed)
 
     @property
     def phase(self) -> tuple[int, int]:
@@ -100,6 +111,7 @@ class EvalReport:
                 "rank": frac(self.rank),
                 "phase": frac(self.phase),
                 "healthy_false_failures": {"failed": self.healthy_false_failures[0], "of": self.healthy_false_failures[1]},
+                "failures_called_healthy": {"healthy": self.failures_called_healthy[0], "of": self.failures_called_healthy[1]},
                 "diagnose_seconds_max": round(max((c.diagnose_s for c in self.cases), default=0.0), 3),
             },
             "cases": [asdict(c) for c in self.cases],
@@ -122,11 +134,12 @@ def _near(ev: dict, wanted: list[dict]) -> bool:
 def score(name: str, label: dict[str, Any], diagnosis: dg.Diagnosis) -> CaseResult:
     """Compare one diagnosis with its label."""
     top = diagnosis.root_causes[0] if diagnosis.root_causes else None
-    got = top.id if top else "healthy"
+    got = top.id if top else diagnosis.verdict  # healthy / incomplete
     expected = label["root_cause"]
     ff = label.get("first_failure")
     wanted = ([ff] if ff else []) + list(label.get("also_accept") or [])
-    res = CaseResult(name=name, expected=expected, got=got, top1=(got == expected),
+    right = got == expected or (expected == "healthy" and got in NOT_FAILED)
+    res = CaseResult(name=name, expected=expected, got=got, top1=right,
                      rank_expected=label.get("rank"), phase_expected=label.get("phase"), wanted=wanted)
     if top is not None:
         res.rank_got, res.phase_got = top.rank, top.phase
@@ -201,6 +214,7 @@ def render(report: EvalReport) -> str:
         f"rank right             {pct(report.rank)} of the labels that name a rank",
         f"phase right            {pct(report.phase)}",
         f"healthy called failed  {hf[0]} of {hf[1]}",
+        f"failed called healthy  {report.failures_called_healthy[0]} of {report.failures_called_healthy[1]} (verdict healthy or incomplete)",
     ]
     return "\n".join(lines)
 

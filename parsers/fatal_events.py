@@ -64,7 +64,7 @@ FATAL_EVENTS = Table(
         FILE_ID,
         col("line_no", pa.int64(), "First line of the event (its `lines.event_line`)."),
         col("last_line", pa.int64(), "Last line of the event."),
-        col("exc_line", pa.int64(), "The line that shows the failure: the first exception line of the chain, the first signal line of a native crash, the fatal record; evidence cites it."),
+        col("exc_line", pa.int64(), "The line that shows the failure: the root exception's line (the first of a chain; under a Ray wrapper, the remote exception's line when it is there, else the wrapper's), the first signal line of a native crash, the fatal record; evidence cites it."),
         col("kind", pa.string(), "`python` (traceback or exception line), `native` (fatal signal, faulthandler stack), `cpp` (C++ exception, terminate), `fatal_log` (a FATAL/CRITICAL record), `exit` (a non-zero exit, a kill)."),
         col("exc_type", pa.string(), "Type of the root exception as printed (`omegaconf.errors.ConfigAttributeError`, `torch.OutOfMemoryError`, `c10::DistBackendError`); for a Ray wrapper whose remote exception line is missing, the wrapped type; the signal (`SIGSEGV`) of a native crash."),
         col("exc_name", pa.string(), "Last component of `exc_type` (`ConfigAttributeError`)."),
@@ -80,7 +80,7 @@ FATAL_EVENTS = Table(
         col("user_frame", pa.string(), "The innermost frame that is not library code (`my_reward.py:17 in compute_score`), when there is one."),
         col("signal", pa.string(), "Fatal signal of a native crash or an exit (`SIGSEGV`, `SIGKILL`)."),
         col("exit_code", pa.int32(), "Exit code of an `exit` event."),
-        col("ray_actor", pa.string(), "Ray actor class of the failing task (`TaskRunner`, `WorkerDict`, `LLMActor`), from a `ray::Class.method()` line."),
+        col("ray_actor", pa.string(), "Ray actor class of the failing task (`TaskRunner`, `WorkerDict`, `LLMActor`), from a `ray::Class.method()` line; with nested wrappers, the innermost task's."),
         col("ray_method", pa.string(), "Ray task / actor method that failed (`run`, `generate_sequences`, `backload_to_gpu`)."),
         col("ray_pid", pa.int64(), "pid of the process the Ray task ran in (from `(pid=N, ...)`)."),
         col("ray_ip", pa.string(), "IP of that process's node."),
@@ -301,8 +301,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
         fr = _FRAME.match(m) or _FRAME_NOFUNC.match(m)
         if fr:
             if state == "message":
-                if ev.wrapper == "RayTaskError" and part is ev.parts[-1] and part.relation != "remote" and part.type \
-                        and _short(part.type) == "RayTaskError":
+                if _is_ray_wrapper(part):
                     part = ev.part("remote")  # the remote traceback printed under a RayTaskError header
                 else:
                     break
@@ -328,7 +327,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
                         part.message = (part.message + "\n" if part.message else "") + "\n".join(text)
                     k = j
                     continue
-                if ev.wrapper == "RayTaskError" and k + 1 < n and _FRAME.match(st.msg(k + 1)):
+                if _is_ray_wrapper(part) and k + 1 < n and _FRAME.match(st.msg(k + 1)):
                     k += 1
                     continue
                 break
@@ -386,6 +385,11 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
     return k
 
 
+def _is_ray_wrapper(part: _Part) -> bool:
+    """The part's exception line is a RayTaskError header: the remote traceback follows it."""
+    return bool(part.type) and _short(part.type) == "RayTaskError"
+
+
 def _plausible_type(t: str) -> bool:
     last = t.rsplit(".", 1)[-1]
     return bool(last) and (last[0].isupper() or last[0] == "_") and len(t) <= 200
@@ -411,12 +415,12 @@ def _set_exception(ev: _Event, part: _Part, e: re.Match, row: int) -> None:
     wrapped = e.group("wrapped")
     msg = e.group("msg")
     short = _short(t)
-    if short in _WRAPPER_TYPES and ev.wrapper is None:
-        ev.wrapper = short
+    if short in _WRAPPER_TYPES and ev.wrapper in (None, "hydra", "ray_task", "debugger"):
+        ev.wrapper = short  # the wrapper that carries the failure, over the job runner's report
     if short == "RayTaskError" or "ray::" in (msg or ""):
         task = _ray_task(msg or "")
         if task:
-            ev.ray = ev.ray or task
+            ev.ray = task  # nested wrappers: the innermost task is the one that failed
     part.type = t
     part.wrapped = wrapped
     part.message = (msg or "").strip() or None
@@ -653,14 +657,18 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
     # a Ray wrapper gives way to the remote exception it carries
     root = typed[0] if typed else (parts[0] if parts else _Part())
     root_idx = parts.index(root) if root in parts else 0
-    if root.type and _short(root.type) == "RayTaskError":
-        remote = [i for i, p in enumerate(parts) if p.relation == "remote"]
-        if remote:
-            root_idx = remote[0]
-            root = parts[root_idx] if parts[root_idx].type else _Part(type=root.wrapped, message=root.message,
-                                                                        line_no=root.line_no, frames=parts[root_idx].frames)
+    # follow Ray wrappers (nested: the driver's task wraps a worker's task) to the remote part
+    while _is_ray_wrapper(root):
+        nxt = root_idx + 1
+        if nxt < len(parts) and parts[nxt].relation == "remote":
+            if parts[nxt].type:
+                root, root_idx = parts[nxt], nxt
+                continue
+            root, root_idx = _Part(type=root.wrapped, message=root.message, line_no=root.line_no,
+                                   frames=parts[nxt].frames), nxt
         elif root.wrapped:
-            root = _Part(type=root.wrapped, message=root.message, line_no=root.line_no)
+            root = _Part(type=root.wrapped, message=root.message, line_no=root.line_no, frames=root.frames)
+        break
     exc_type = root.type
     cut_off = False
     if exc_type is None:
@@ -684,7 +692,10 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
                 types.append(t)
     chain = [{"type": p.type, "message": p.message, "relation": p.relation,
               "line_no": int(cols["line_no"][p.line_no]) if p.line_no is not None else None} for p in typed]
-    exc_row = ev.exc_row if ev.exc_row is not None else r0
+    # the line that shows the failure: the root exception's own line (under a Ray wrapper,
+    # the remote exception), else the first line that showed one
+    exc_row = root.line_no if ev.kind == "python" and root.line_no is not None else \
+        (ev.exc_row if ev.exc_row is not None else r0)
     message = root.message or (ev.fatal_text if ev.kind == "native" else None)
     ray = ev.ray or {}
     return {

@@ -117,7 +117,7 @@ def test_ray_task_error_remote_traceback_and_wrapped_type():
         ''')
     assert (e["wrapper"], e["wrapped_type"], e["exc_type"], e["message"]) == ("RayTaskError", "KeyError", "KeyError", "'reward_model'")
     assert (e["ray_actor"], e["ray_method"], e["ray_pid"], e["ray_ip"]) == ("TaskRunner", "run", 2211, "10.1.2.3")
-    assert e["exc_line"] == 4  # the wrapper line is where the failure first shows
+    assert e["exc_line"] == 9  # the remote exception's own line, not the wrapper's
     assert [f["function"] for f in e["frames"] if f["part"] == 1] == ["fit", "__call__"]
     assert e["package"] == "verl"
 
@@ -129,7 +129,7 @@ def test_ray_wrapper_without_its_remote_part_keeps_the_wrapped_type():
         ray.exceptions.RayTaskError(OutOfMemoryError): ray::LLMActor.backload_to_gpu() (pid=11992, ip=10.14.9.9, actor_id=94ea
         ''')
     assert (e["exc_type"], e["wrapper"], e["ray_actor"], e["ray_method"]) == ("OutOfMemoryError", "RayTaskError", "LLMActor", "backload_to_gpu")
-    assert e["line_no"] == 1 and e["exc_line"] == 3  # a traceback tail: it starts at a frame line
+    assert e["line_no"] == 1 and e["exc_line"] == 3  # a traceback tail: it starts at a frame line; no remote part: the wrapper's line
 
 
 def test_frames_whose_indentation_was_lost():
@@ -145,7 +145,7 @@ def test_frames_whose_indentation_was_lost():
         KeyError: 'boxnet'
         ''')
     assert [f["code"] for f in e["frames"]][:2] == ["ray.get(main_task.remote(config))", "raise value.as_instanceof_cause()"]
-    assert (e["exc_type"], e["message"], e["exc_line"]) == ("KeyError", "'boxnet'", 6)
+    assert (e["exc_type"], e["message"], e["exc_line"]) == ("KeyError", "'boxnet'", 9)
     assert e["user_frame"] == "grpo_trainer.py:104 in _score_output"
 
 

@@ -98,7 +98,7 @@ def run(ctx: Context) -> Diagnosis:
     if not con.execute("SELECT EXISTS (SELECT 1 FROM lines) OR EXISTS (SELECT 1 FROM metrics)").fetchall()[0][0]:
         raise NothingToDiagnose("the database holds no log lines and no metrics: ingest the run's logs first")
     ensure_views(con)
-    hits = matching.line_hits(con, ctx.cat)
+    hits = matching.line_hits(con, ctx.cat) + matching.event_hits(con, ctx.cat)
     facts = RunFacts(con, ctx.cat)
     placement.attach_task_pids(ctx, hits)
     placement.attach_bodies(ctx, hits)
@@ -113,8 +113,10 @@ def run(ctx: Context) -> Diagnosis:
         ends, stops = choice.ends, choice.stops
         end_ev = (ends[-1].evidence() if ends else (stops[0].evidence() if stops else None))
         if not ends and not stops:
-            notes.append("no failure signature matched and no end-of-run marker was found: the logs may be incomplete")
-        elif stops and not ends:
+            last = f" at step {facts.max_step}" if facts.max_step is not None else ""
+            notes.insert(0, f"no failure found; the logs stop{last} without an end-of-run marker (still running, or cut off)")
+            return Diagnosis("incomplete", [], findings, notes=notes)
+        if stops and not ends:
             notes.append("the run was stopped on purpose (SIGINT/SIGTERM) with no failure before it")
         return Diagnosis("healthy", [], findings, notes=notes, end_evidence=end_ev)
     notes.extend(choice.notes)

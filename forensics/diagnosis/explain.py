@@ -220,7 +220,9 @@ def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
 def render(d: Diagnosis, verbose: bool = False) -> str:
     """The readable report of ``forensics diagnose``."""
     lines: list[str] = []
-    if d.verdict == "healthy":
+    if d.verdict == "incomplete":
+        lines.append("verdict: incomplete")
+    elif d.verdict == "healthy":
         lines.append("verdict: healthy")
         if d.end_evidence:
             e = d.end_evidence

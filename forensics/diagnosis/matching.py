@@ -6,13 +6,13 @@ patterns and restrictions) to the candidates only. Each match becomes a :class:`
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 import duckdb
 import polars as pl
 
 from .. import catalogue as sig
-from ..catalogue import Catalogue, Rule
+from ..catalogue import Catalogue, ExceptionMatch, Rule
 from .facts import sql_str
 from .model import Hit
 
@@ -78,9 +78,12 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
     return pl.from_arrow(con.sql(q).to_arrow_table())
 
 
-def extract(h: Hit) -> None:
+def extract(h: Hit, extra: str = "") -> None:
+    """The named groups of the rule's ``extract`` patterns, from the line (and ``extra``:
+    the event's messages) into ``h.groups``."""
+    text = h.message + ("\n" + extra if extra else "")
     for p in h.rule.extract:
-        m = re.search(p, h.message)
+        m = re.search(p, text)
         if not m:
             continue
         for k, v in m.groupdict().items():
@@ -104,3 +107,109 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
         extract(h)
         out.append(h)
     return out
+
+
+# -- fatal events ------------------------------------------------------------------------
+
+EVENT_COLUMNS = ("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "exc_name", "message", "outer_type",
+                 "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "signal",
+                 "ray_actor", "ray_method", "ray_pid", "actor")
+QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")  # a traceback logged at these levels was handled
+
+
+def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | None = None) -> bool:
+    """Whether the fatal event ``e`` (a ``fatal_events`` row as a dict) meets every field of
+    the matcher ``m`` (see :class:`forensics.catalogue.ExceptionMatch`). ``preceded(regex)``
+    answers ``preceded_by`` (None: such a matcher does not match)."""
+    types = [t for t in (e.get("types") or []) if t]
+    for t in (e.get("exc_type"), e.get("wrapped_type"), e.get("outer_type")):
+        if t and t not in types:
+            types.append(t)
+    names = types + [t.rsplit(".", 1)[-1].rsplit("::", 1)[-1] for t in types]
+    if m.type and not any(re.search(m.type, t) for t in names):
+        return False
+    if m.not_type and any(re.search(m.not_type, t) for t in types):
+        return False
+    messages = [x for x in (e.get("message"), e.get("outer_message"), *[(c or {}).get("message") for c in e.get("chain") or []]) if x]
+    if m.message and not any(re.search(m.message, x) for x in messages):
+        return False
+    if m.not_message and any(re.search(m.not_message, x) for x in messages):
+        return False
+    if m.raised_in and e.get("package") not in m.raised_in:
+        return False
+    if m.not_raised_in and e.get("package") in m.not_raised_in:
+        return False
+    frames = [f"{f.get('file')}:{f.get('function')}" for f in e.get("frames") or []]
+    if m.frames and not any(re.search(m.frames, f) for f in frames):
+        return False
+    if m.not_frames and any(re.search(m.not_frames, f) for f in frames):
+        return False
+    if m.kind and e.get("kind") not in m.kind:
+        return False
+    if m.signal and e.get("signal") not in m.signal:
+        return False
+    if m.wrapper and e.get("wrapper") not in m.wrapper:
+        return False
+    if m.method and not re.search(m.method, e.get("ray_method") or ""):
+        return False
+    if m.actor and not any(re.search(m.actor, a) for a in (e.get("ray_actor"), e.get("actor")) if a):
+        return False
+    if m.preceded_by and (preceded is None or not preceded(m.preceded_by)):
+        return False
+    return True
+
+
+def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
+    """Every exception rule's hits on the ``fatal_events`` rows: one hit at the event's
+    ``exc_line`` (the line that shows the failure), its body the event's lines."""
+    rules = [r for r in cat.rules if r.exception is not None]
+    if not rules:
+        return []
+    cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
+    rows = con.execute(
+        f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
+                   l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text
+            FROM fatal_events e JOIN files f USING (file_id)
+            LEFT JOIN lines l ON l.file_id = e.file_id AND l.line_no = e.exc_line
+            ORDER BY e.file_id, e.line_no""").fetchall()
+    driver = set(cat.causality.driver_actors)
+    names = [*EVENT_COLUMNS, "path", "format", "file_pid", "ts", "ts_quality", "level", "header", "l_actor", "l_pid",
+             "l_node", "l_rank", "l_message", "l_text"]
+    out: list[Hit] = []
+    for row in rows:
+        e = dict(zip(names, row))
+        memo: dict[str, bool] = {}
+
+        def preceded(rx: str, e=e, memo=memo) -> bool:
+            if rx not in memo:
+                memo[rx] = bool(con.execute(
+                    "SELECT 1 FROM lines WHERE file_id = ? AND line_no BETWEEN ? AND ? AND regexp_matches(message, ?) LIMIT 1",
+                    [e["file_id"], max(1, e["line_no"] - 200), e["line_no"] - 1, rx]).fetchall())
+            return memo[rx]
+
+        for r in rules:
+            if r.generic and (e["level"] in QUIET_LEVELS):
+                continue  # logged and survived: not an exception that ended anything
+            if not event_matches(r.exception, e, preceded):
+                continue
+            h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
+                    ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
+                    node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
+                    file_pid=e["file_pid"], text=e["l_text"])
+            if e["ray_pid"] is not None and e["ray_actor"] not in driver:
+                h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
+            extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
+            out.append(h)
+    return out
+
+
+def drop_explained_generic(hits: list[Hit]) -> list[Hit]:
+    """A generic hit (an exception no class describes, a wrapper) gives way to a specific
+    rule that matched the same event or line: the event is explained."""
+    roles = ("cause", "fallback", "symptom", "stop", "finding")
+
+    def key(h: Hit) -> tuple:
+        return (h.file_id, h.event_line if h.event_line is not None else h.line_no)
+
+    explained = {key(h) for h in hits if not h.rule.generic and h.rule.role in roles}
+    return [h for h in hits if not (h.rule.generic and h.rule.role == "cause") or key(h) not in explained]

@@ -89,7 +89,7 @@ class Finding:
 
 @dataclass
 class Diagnosis:
-    verdict: str  # "failed" | "healthy"
+    verdict: str  # "failed" | "healthy" | "incomplete" (no failure, no end-of-run marker)
     root_causes: list[RootCause]
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
@@ -112,6 +112,8 @@ class Diagnosis:
         if self.verdict == "healthy":
             why = f" ({self.end_evidence.file}:{self.end_evidence.line}: {clip(self.end_evidence.text, 80)})" if self.end_evidence else ""
             return f"healthy{why}"
+        if not self.root_causes:  # incomplete
+            return f"{self.verdict}: " + (self.notes[0] if self.notes else "no failure found and no end-of-run marker")
         r = self.root_causes[0]
         where = []
         if r.rank is not None:
@@ -233,6 +235,11 @@ class Event:
             if h.rank is not None:
                 return h.rank
         return None
+
+    @property
+    def generic(self) -> bool:
+        """Every line of it is a generic rule's (an exception no class describes, a wrapper)."""
+        return all(h.rule.generic for h in self.hits)
 
     @property
     def precise_any(self) -> bool:

@@ -21,6 +21,7 @@ from .. import detectors
 from ..catalogue import Rule
 from .context import Context
 from .facts import RunFacts
+from .matching import drop_explained_generic
 from .model import Event, Hit
 
 ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}
@@ -28,8 +29,9 @@ ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "find
 
 def resolve_classes(hits: list[Hit]) -> list[Hit]:
     """Apply event_context / requires / class_if_present / class_by_phase; drop hits
-    whose conditions fail. A line matched by rules of several roles keeps the strongest
-    role only (an OOM line is not also a generic uncaught exception)."""
+    whose conditions fail, and generic causes of events a specific rule explains. A line
+    matched by rules of several roles keeps the strongest role only (an OOM line is not
+    also a watchdog's symptom)."""
     kept: list[Hit] = []
     for h in hits:
         r = h.rule
@@ -53,6 +55,7 @@ def resolve_classes(hits: list[Hit]) -> list[Hit]:
             cls = r.class_by_phase[h.phase]
         h.cls = cls or r.class_by_phase.get("default") or r.cls
         out.append(h)
+    out = drop_explained_generic(out)
     best: dict[tuple[int, int | None], int] = {}
     for h in out:
         if h.rule.role in ("cause", "fallback", "symptom"):
@@ -123,7 +126,7 @@ class Choice:
     causes: list[Event]
     fallbacks: list[Event]
     demoted: list[Event]  # causes that came after the first collective timeout: its consequences
-    symptoms: list[Event]
+    symptoms: list[Event]  # symptom events, and events that gave way to another (causality.gives_way)
     ends: list[Hit]
     stops: list[Hit]
     notes: list[str] = field(default_factory=list)
@@ -176,6 +179,29 @@ def stalled(ctx: Context, hits: list[Hit], root_cls: str) -> tuple[Hit, str, str
     return None
 
 
+def _explains(f: Event, e: Event, window_s: float) -> bool:
+    """``f`` was seen before ``e`` (or within ``window_s`` after it): by time when both are
+    stamped, else by position when they are in one file."""
+    if f.lo is not None and e.lo is not None:
+        return f.lo <= e.lo + timedelta(seconds=window_s)
+    fo, eo = f.origin, e.origin
+    return fo.path == eo.path and (fo.line_no or 0) <= (eo.line_no or 0)
+
+
+def give_way(ctx: Context, pool: list[Event]) -> tuple[list[Event], list[Event]]:
+    """Split ``pool`` into the events that stand and those that give way to another event
+    of the pool (``causality.gives_way``)."""
+    gave: list[Event] = []
+    for gw in ctx.causality.gives_way:
+        for e in pool:
+            if e.cls != gw.cls or e in gave:
+                continue
+            if any(f is not e and f not in gave and f.cls != e.cls and ("any" in gw.to or f.cls in gw.to)
+                   and _explains(f, e, gw.window_s) for f in pool):
+                gave.append(e)
+    return [e for e in pool if e not in gave], gave
+
+
 def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: RunFacts) -> Choice:
     """Sort the events into root, causes, fallbacks and symptoms."""
     causality = ctx.causality
@@ -189,6 +215,11 @@ def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: 
 
     # a generic exception after which training went on (more steps logged) was handled
     fallbacks = [e for e in fallbacks if e.weight > 0.3 or not training_went_on(e, facts)]
+    causes = [e for e in causes if not (e.generic and training_went_on(e, facts))]
+    standing, gave = give_way(ctx, causes + fallbacks)
+    causes = [e for e in causes if e in standing]
+    fallbacks = [e for e in fallbacks if e in standing]
+    symptoms = symptoms + gave
     end_ts = max((h.ts for h in ends if h.ts is not None), default=None)
     stop_ts = stops[0].ts if stops else None
     noise = set(causality.shutdown_noise)
@@ -217,7 +248,9 @@ def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: 
             causes = []
     if causes:
         causes.sort(key=functools.cmp_to_key(compare))
-        root = prefer_simultaneous(ctx, causes[0], causes)
+        # a generic cause (an exception no class describes) only when no specific one is seen
+        pool = [e for e in causes if not e.generic] or causes
+        root = prefer_simultaneous(ctx, pool[0], pool)
     else:
         fallbacks.sort(key=lambda e: (-fallback_tier(e), *order_key(e)))
         root = fallbacks[0]
