@@ -48,23 +48,59 @@ def _rule_sql(idx: int, r: Rule) -> str:
     return f"SELECT {idx} AS rule_idx, file_id, line_no FROM diag_candidates WHERE " + " AND ".join(conds)
 
 
+# A file is hard-wrapped when a terminal cut its lines at a fixed width W (a paste of a
+# narrow console): no line is longer than W and many are exactly W long. Such a line, unless
+# it ends in padding, continues on the next one. Only files of up to WRAP_MAX_LINES lines
+# are examined (pastes; a real log is not wrapped, and this saves scanning big files).
+WRAP_MIN_WIDTH = 60
+WRAP_MIN_SHARE = 0.3
+WRAP_MAX_LINES = 200_000
+
+
+def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
+    """TEMP table ``diag_wrapped(file_id, line_no, message)``: the logical lines of
+    hard-wrapped files (more than one physical line), at their first line, joined."""
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE diag_wrapped AS
+            WITH small AS (SELECT file_id FROM files WHERE kind = 'text' AND lines <= {WRAP_MAX_LINES}),
+            len AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n
+                    FROM lines l SEMI JOIN small USING (file_id)),
+            widest AS (SELECT file_id, max(n) AS w, count(*) AS c FROM len GROUP BY file_id HAVING max(n) >= {WRAP_MIN_WIDTH}),
+            width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) GROUP BY file_id, widest.w, widest.c
+                      HAVING count(*) FILTER (WHERE len.n = widest.w) >= greatest(3, {WRAP_MIN_SHARE} * widest.c)
+                         AND count(DISTINCT len.text) FILTER (WHERE len.n = widest.w) >= 3),
+            prev AS (SELECT len.*, width.w, lag(n) OVER w0 AS prev_n, lag(text) OVER w0 AS prev_text
+                     FROM len JOIN width USING (file_id)
+                     WINDOW w0 AS (PARTITION BY len.file_id ORDER BY line_no)),
+            -- a full-width line continues on the next one unless it ends in padding, or the next
+            -- line starts a record of its own (a header, or the same start as the full line)
+            g AS (SELECT *, sum(CASE WHEN prev_n = w AND NOT regexp_matches(prev_text, '\\s$') AND header IS NULL
+                                          AND left(text, 6) <> left(prev_text, 6) THEN 0 ELSE 1 END)
+                              OVER (PARTITION BY file_id ORDER BY line_no) AS grp FROM prev)
+            SELECT file_id, min(line_no) AS line_no, string_agg(message, '' ORDER BY line_no) AS message
+            FROM g GROUP BY file_id, grp HAVING count(*) > 1""")
+
+
 def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
     """Rule hits: one row per (rule, line), at most MAX_HITS_PER_RULE_FILE per rule and file.
 
     The one scan of ``lines`` keeps, in the TEMP table ``diag_candidates``, the lines that
-    contain a rule keyword or match one of the ``extra`` patterns (read by later steps)."""
+    contain a rule keyword or match one of the ``extra`` patterns (read by later steps).
+    A hard-wrapped logical line is matched whole, at its first physical line."""
+    wrapped_records(con)
+    msg = "coalesce(w.message, l.message)"
     # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
     # with anchors and classes) get their own keyword test first
-    conds = [f"regexp_matches(l.message, {sql_str(sig.prefilter_regex(rules))})"]
+    conds = [f"regexp_matches({msg}, {sql_str(sig.prefilter_regex(rules))})"]
     for p in extra:
         cs, ci = sig.derive_keywords([p], "extra pattern")
-        kw = [f"contains(l.message, {sql_str(k)})" for k in cs] + [f"contains(lower(l.message), {sql_str(k.lower())})" for k in ci]
-        conds.append(f"(({' OR '.join(kw)}) AND regexp_matches(l.message, {sql_str(p)}))")
+        kw = [f"contains({msg}, {sql_str(k)})" for k in cs] + [f"contains(lower({msg}), {sql_str(k.lower())})" for k in ci]
+        conds.append(f"(({' OR '.join(kw)}) AND regexp_matches({msg}, {sql_str(p)}))")
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_candidates AS
             SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.level, l.header, l.logger, l.actor, l.pid, l.node,
-                   l.rank, l.event_line, l.message, l.text, f.path, f.format, f.pid AS file_pid
-            FROM lines l JOIN files f USING (file_id)
+                   l.rank, l.event_line, {msg} AS message, l.text, f.path, f.format, f.pid AS file_pid
+            FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
     if not rules:

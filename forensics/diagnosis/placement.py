@@ -93,9 +93,12 @@ def attach_task_pids(ctx: Context, hits: list[Hit]) -> None:
 def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
     task_methods = facts.task_methods
     bodies_by_proc: dict[int, list[Hit]] = defaultdict(list)
+    bodies_by_file: dict[int, list[Hit]] = defaultdict(list)
     for h in hits:
         if h.body and h.proc is not None:
             bodies_by_proc[h.proc].append(h)
+        if h.body:
+            bodies_by_file[h.file_id].append(h)
     first_metric_line = {fid: ln for fid, ln in ctx.con.execute(
         "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
     for h in hits:
@@ -146,8 +149,35 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
         if ph is None and h.event_line is None:  # what the line itself talks about ("tool calls")
             ph = ctx.phase_of(h.message)
             src = "message" if ph else None
-        if ph is None and facts.before_first_step(h, first_metric_line):
-            ph, src = "init", "before_first_step"
+        if ph is None and h.event_line is None:
+            # the traceback a failing line leads to a few lines later in the same file, whoever printed it
+            for o in sorted(bodies_by_file.get(h.file_id, []), key=lambda o: (o.line_no or 0)):
+                if 0 < (o.line_no or 0) - (h.line_no or 0) <= 40:
+                    ph = ctx.phase_of(o.body, frames_only=True)
+                    if ph:
+                        src = "frames"
+                        break
         h.phase, h.phase_source = ph, src
+    _recent_activity(ctx, [h for h in hits if h.phase is None and h.event_line is None and h.line_no])
+    for h in hits:
+        if h.phase is None and facts.before_first_step(h, first_metric_line):
+            h.phase, h.phase_source = "init", "before_first_step"
+
+
+def _recent_activity(ctx: Context, hits: list[Hit], back: int = 3) -> None:
+    """The phase the lines just before a failure line talk about (what the process was
+    doing: ``POST /update_named_param`` before a socket timeout is a weight sync)."""
+    if not hits:
+        return
+    rows = keyed_rows(ctx, "_diag_recent", {(h.file_id, h.line_no) for h in hits}, "line_no",
+                      f"""SELECT n.file_id, n.line_no, string_agg(l.message, chr(10) ORDER BY l.line_no)
+                          FROM _diag_recent n JOIN lines l ON l.file_id = n.file_id
+                           AND l.line_no BETWEEN n.line_no - {int(back)} AND n.line_no - 1
+                          WHERE l.event_line IS NULL GROUP BY n.file_id, n.line_no""")
+    before = {(a, b): c for a, b, c in rows}
+    for h in hits:
+        ph = ctx.phase_of(before.get((h.file_id, h.line_no)))
+        if ph:
+            h.phase, h.phase_source = ph, "recent"
 
 ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}

@@ -55,7 +55,7 @@ def resolve_classes(hits: list[Hit]) -> list[Hit]:
             cls = r.class_by_phase[h.phase]
         h.cls = cls or r.class_by_phase.get("default") or r.cls
         out.append(h)
-    out = drop_explained_generic(out)
+    out = one_class_per_event(drop_explained_generic(out))
     best: dict[tuple[int, int | None], int] = {}
     for h in out:
         if h.rule.role in ("cause", "fallback", "symptom"):
@@ -63,6 +63,22 @@ def resolve_classes(hits: list[Hit]) -> list[Hit]:
             best[k] = min(best.get(k, 9), ROLE_RANK[h.rule.role])
     return [h for h in out if h.rule.role not in ("cause", "fallback", "symptom")
             or ROLE_RANK[h.rule.role] == best[(h.file_id, h.line_no)]]
+
+
+def one_class_per_event(hits: list[Hit]) -> list[Hit]:
+    """The causes matched on one fatal event (or one line) are one failure: it keeps the
+    class of its most specific (heaviest) cause. A segfault whose stack runs through CUDA
+    graph capture is a capture failure, not also a bare actor death."""
+    def key(h: Hit) -> tuple:
+        return (h.file_id, h.event_line if h.event_line is not None else h.line_no)
+
+    best: dict[tuple, tuple[float, str]] = {}
+    for h in hits:
+        if h.rule.role == "cause" and not h.rule.generic:
+            k = key(h)
+            if k not in best or h.rule.weight > best[k][0]:
+                best[k] = (h.rule.weight, h.cls)
+    return [h for h in hits if h.rule.role != "cause" or key(h) not in best or h.cls == best[key(h)][1]]
 
 
 def events(hits: list[Hit], role: str) -> list[Event]:
