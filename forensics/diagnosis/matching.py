@@ -91,7 +91,7 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
     msg = "coalesce(w.message, l.message)"
     # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
     # with anchors and classes) get their own keyword test first
-    conds = [f"regexp_matches({msg}, {sql_str(sig.prefilter_regex(rules))})"]
+    conds = [f"regexp_matches({msg}, {sql_str(sig.prefilter_regex(r for r in rules if r.patterns))})"]
     for p in extra:
         cs, ci = sig.derive_keywords([p], "extra pattern")
         kw = [f"contains({msg}, {sql_str(k)})" for k in cs] + [f"contains(lower({msg}), {sql_str(k.lower())})" for k in ci]
@@ -103,9 +103,10 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
-    if not rules:
+    if not any(r.patterns for r in rules):
         return pl.DataFrame()
-    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules))
+    # rules without line patterns match fatal events only (event_hits)
+    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns)
     q = f"""
         WITH m AS ({union}),
         k AS (SELECT * FROM m QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
@@ -130,7 +131,7 @@ def extract(h: Hit, extra: str = "") -> None:
 
 def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     """Every rule hit on a line (the candidates table is left for later stages)."""
-    rules = [r for r in cat.rules if r.patterns]  # the others match fatal events only
+    rules = cat.rules
     df = match(con, rules, cat.rank_zero_prints)
     out: list[Hit] = []
     for row in df.iter_rows(named=True):
