@@ -664,10 +664,10 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
             if parts[nxt].type:
                 root, root_idx = parts[nxt], nxt
                 continue
-            root, root_idx = _Part(type=root.wrapped, message=root.message, line_no=root.line_no,
-                                   frames=parts[nxt].frames), nxt
+            root, root_idx = _Part(type=root.wrapped, line_no=root.line_no, frames=parts[nxt].frames), nxt
         elif root.wrapped:
-            root = _Part(type=root.wrapped, message=root.message, line_no=root.line_no, frames=root.frames)
+            # the remote part is past the end of the text: the wrapped type is all there is
+            root = _Part(type=root.wrapped, line_no=root.line_no, frames=root.frames)
         break
     exc_type = root.type
     cut_off = False
@@ -677,7 +677,8 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
         elif ev.kind == "python":
             exc_type, cut_off = "unknown", True
     last = typed[-1] if typed else None
-    outer = last if last is not None and last.type not in (exc_type, None) and last is not root else None
+    outer = last if last is not None and last.type not in (exc_type, None) and last is not root \
+        and not _is_ray_wrapper(last) else None
     root_frames = [f for f in frames if f["part"] == root_idx] or frames
     package = root_frames[-1]["package"] if root_frames else None
     user = next((f for f in reversed(root_frames) if f["package"] == "user"), None)

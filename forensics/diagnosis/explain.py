@@ -68,6 +68,12 @@ def _holds(cond: str, value: Any, facts: RunFacts, root: Event) -> bool:
 def summary(ctx: Context, root: Event, cls: str, rank: int | None, origin: Hit) -> str:
     what = describe(origin) or origin.rule.title or cls
     who = f"rank {rank}" if rank is not None else (f"pid {origin.proc}" if origin.proc is not None else "the run")
+    event = next((h.event for h in (origin, *root.hits) if h.event is not None), None)
+    if event is not None:  # where it was raised: the innermost code that is not a library's
+        if event.get("user_frame"):
+            what += f" (in {event['user_frame']})"
+        elif event.get("package") not in (None, "user", "python"):
+            what += f" (raised in {event['package']})"
     return f"{who}: {what}"
 
 
@@ -246,7 +252,18 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             for j, e in enumerate(r.evidence if (i == 0 or verbose) else r.evidence[:1]):
                 ts = f" [{e.ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}]" if e.ts else ""
                 lines.append(f"  {'evidence' if j == 0 else '        '}: {e.file}:{e.line}{ts}")
-                lines.append(f"            {clip(e.text, 200)}")
+                lines.append(f"            {e.text if verbose else clip(e.text, 200)}")
+            if verbose and r.exception:
+                x = r.exception
+                lines.append(f"  traceback: {x.get('file')}:{x.get('first_line')}-{x.get('last_line')}"
+                             + (f" (reported through {x['wrapper']})" if x.get("wrapper") else ""))
+                lines.append(f"    {x.get('type')}" + (f": {x['message']}" if x.get("message") else " (no message in the text)"))
+                if x.get("outer"):
+                    lines.append(f"    raised on as {x['outer']}")
+                if x.get("frames_left_out"):
+                    lines.append(f"    ... {x['frames_left_out']} outer frame(s) left out")
+                for f in x.get("frames") or []:
+                    lines.append(f"    at {f}")
             if r.symptoms:
                 lines.append(f"  symptoms: {', '.join(r.symptoms)}")
             if r.cascade:

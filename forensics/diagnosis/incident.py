@@ -107,7 +107,53 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
     remediation = explain.remediation(ctx, cls, root, phase, facts.config)
     return RootCause(id=cls, confidence=conf, rank=rank, node=node, phase=phase, step=step, evidence=evidence,
                      symptoms=sym_classes, remediation=remediation, title=title, summary=summary,
-                     cascade=cascade, notes=notes, rank_source=rank_source)
+                     cascade=cascade, notes=notes, rank_source=rank_source, exception=exception_of(ctx, root))
+
+
+MAX_FRAMES = 10
+
+
+def fatal_event_of(ctx: Context, root: Event) -> tuple[dict, str] | None:
+    """The fatal event the root cause shows in (an exception rule's event, else the event
+    whose lines hold the cited line), with the path of its file."""
+    o = root.origin
+    for h in [o, *root.hits]:
+        if h.event is not None:
+            return h.event, h.path
+    if o.line_no is None:
+        return None
+    cols = ", ".join(("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "message", "wrapper",
+                      "wrapped_type", "frames", "package", "user_frame", "outer_type", "outer_message"))
+    row = ctx.con.execute(f"SELECT {cols} FROM fatal_events WHERE file_id = ? AND ? BETWEEN line_no AND last_line "
+                          "ORDER BY line_no DESC LIMIT 1", [o.file_id, o.line_no]).fetchone()
+    if row is None:
+        return None
+    return dict(zip(cols.split(", "), row)), o.path
+
+
+def exception_of(ctx: Context, root: Event) -> dict | None:
+    """What ``diagnose -v`` shows of the root cause's traceback: type, message, how it was
+    reported, where it was raised, and the frames that matter (the innermost ones and the
+    code that is not a library's)."""
+    found = fatal_event_of(ctx, root)
+    if found is None:
+        return None
+    e, path = found
+    frames = list(e.get("frames") or [])
+    keep = {i for i in range(max(0, len(frames) - 6), len(frames))}
+    keep |= {i for i, f in enumerate(frames) if f.get("package") == "user"}
+    shown = [frames[i] for i in sorted(keep)][-MAX_FRAMES:]
+    out = {
+        "type": e.get("exc_type"), "message": (e.get("message") or "")[:600] or None,
+        "wrapper": e.get("wrapper"), "wrapped_type": e.get("wrapped_type"),
+        "raised_in": e.get("package"), "user_frame": e.get("user_frame"),
+        "file": path, "line": e.get("exc_line"), "first_line": e.get("line_no"), "last_line": e.get("last_line"),
+        "frames": [f"{f.get('file')}:{f.get('line')} in {f.get('function')} [{f.get('package')}]" for f in shown],
+        "frames_left_out": len(frames) - len(shown),
+    }
+    if e.get("outer_type"):
+        out["outer"] = f"{e['outer_type']}: {(e.get('outer_message') or '')[:200]}"
+    return {k: v for k, v in out.items() if v not in (None, [], 0)}
 
 
 def lagging_rank(ctx: Context, root: Event) -> int | None:

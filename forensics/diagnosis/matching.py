@@ -149,7 +149,7 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
 # -- fatal events ------------------------------------------------------------------------
 
 EVENT_COLUMNS = ("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "exc_name", "message", "outer_type",
-                 "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "signal",
+                 "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "user_frame", "signal",
                  "ray_actor", "ray_method", "ray_pid", "actor")
 QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")  # a traceback logged at these levels was handled
 
@@ -233,6 +233,9 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
                     file_pid=e["file_pid"], text=e["l_text"])
+            h.event = e
+            if e["exc_type"]:
+                h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
             if e["ray_pid"] is not None and e["ray_actor"] not in driver:
                 h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))

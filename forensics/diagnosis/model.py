@@ -61,15 +61,19 @@ class RootCause:
     cascade: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     rank_source: str | None = None
+    exception: dict | None = None  # the root cause's fatal event: type, message, wrapper, frames that matter
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "id": self.id, "confidence": round(self.confidence, 2), "rank": self.rank, "node": self.node,
             "phase": self.phase, "step": self.step, "evidence": [e.to_dict() for e in self.evidence],
             "symptoms": self.symptoms, "remediation": self.remediation,
             "title": self.title, "summary": self.summary, "cascade": self.cascade, "notes": self.notes,
             "rank_source": self.rank_source,
         }
+        if self.exception is not None:
+            d["exception"] = self.exception
+        return d
 
 
 @dataclass
@@ -160,6 +164,7 @@ class Hit:
     rank_source: str | None = None
     step: int | None = None
     alarm: detectors.Alarm | None = None
+    event: dict | None = None  # the fatal_events row an exception rule matched (None: a line rule's hit)
 
     @property
     def proc(self) -> int | None:
