@@ -160,7 +160,8 @@ class Rule:
     finding: str | None = None
     exception: "ExceptionMatch | None" = None  # matches fatal events (parsers/fatal_events.py) instead of / as well as lines
     generic: bool = False  # a cause that gives way to any specific one (an exception no class describes)
-    examples: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())  # (match, no_match): lines, or event texts for `exception`
+    # (match, no_match): each a (file name or None, text) — a line, or a few lines (a traceback) for `exception`
+    examples: tuple[tuple[tuple[str | None, str], ...], tuple[tuple[str | None, str], ...]] = ((), ())
     source: str = ""  # file the rule came from
 
     def to_dict(self) -> dict:
@@ -576,9 +577,23 @@ def _rule(item: dict, src: str, known_classes: set[str]) -> Rule:
         weight=float(weight), title=item.get("title"), versions=item.get("versions"), notes=item.get("notes"),
         symptom=bool(item.get("symptom", True)), match_code_lines=bool(item.get("match_code_lines", False)),
         finding=item.get("finding"), exception=exc, generic=bool(item.get("generic", False)),
-        examples=(_as_list(examples.get("match"), where, "examples.match"), _as_list(examples.get("no_match"), where, "examples.no_match")),
+        examples=(_examples(examples.get("match"), where, "match"), _examples(examples.get("no_match"), where, "no_match")),
         source=src,
     )
+
+
+def _examples(value: Any, where: str, key: str) -> tuple[tuple[str | None, str], ...]:
+    """Example texts of a rule: strings, or ``{file: name, text: ...}`` when the file name
+    matters (a rule restricted to a format the name helps detect, e.g. ``raylet.out``)."""
+    out = []
+    for item in [value] if isinstance(value, (str, dict)) else (value or []):
+        if isinstance(item, str) and item:
+            out.append((None, item))
+        elif isinstance(item, dict) and set(item) == {"file", "text"} and all(isinstance(v, str) and v for v in item.values()):
+            out.append((item["file"], item["text"]))
+        else:
+            raise SignatureError(f"{where}: examples.{key} holds strings or {{file, text}} mappings")
+    return tuple(out)
 
 
 def _exception_match(value: Any, where: str) -> ExceptionMatch | None:
