@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from . import diagnose as dg
+from .diagnosis.model import HEALTHY, INCOMPLETE
 from . import pipeline
 
 LINE_TOLERANCE = 3
-NOT_FAILED = ("healthy", "incomplete")  # verdicts of a diagnosis that found no failure
+NOT_FAILED = (HEALTHY, INCOMPLETE)  # verdicts of a diagnosis that found no failure
 
 
 @dataclass
@@ -86,12 +87,12 @@ class EvalReport:
 
     @property
     def healthy_false_failures(self) -> tuple[int, int]:
-        healthy = [c for c in self.cases if c.expected == "healthy"]
+        healthy = [c for c in self.cases if c.expected == HEALTHY]
         return sum(1 for c in healthy if c.got not in NOT_FAILED), len(healthy)
 
     @property
     def failures_called_healthy(self) -> tuple[int, int]:
-        failed = [c for c in self.cases if c.expected != "healthy"]
+        failed = [c for c in self.cases if c.expected != HEALTHY]
         return sum(1 for c in failed if c.got in NOT_FAILED), len(failed)
 
     @property
@@ -111,7 +112,7 @@ class EvalReport:
                 "rank": frac(self.rank),
                 "phase": frac(self.phase),
                 "healthy_false_failures": {"failed": self.healthy_false_failures[0], "of": self.healthy_false_failures[1]},
-                "failures_called_healthy": {"healthy": self.failures_called_healthy[0], "of": self.failures_called_healthy[1]},
+                "failures_called_healthy": {"not_failed": self.failures_called_healthy[0], "of": self.failures_called_healthy[1]},
                 "diagnose_seconds_max": round(max((c.diagnose_s for c in self.cases), default=0.0), 3),
             },
             "cases": [asdict(c) for c in self.cases],
@@ -138,7 +139,7 @@ def score(name: str, label: dict[str, Any], diagnosis: dg.Diagnosis) -> CaseResu
     expected = label["root_cause"]
     ff = label.get("first_failure")
     wanted = ([ff] if ff else []) + list(label.get("also_accept") or [])
-    right = got == expected or (expected == "healthy" and got in NOT_FAILED)
+    right = got == expected or (expected == HEALTHY and got in NOT_FAILED)
     res = CaseResult(name=name, expected=expected, got=got, top1=right,
                      rank_expected=label.get("rank"), phase_expected=label.get("phase"), wanted=wanted)
     if top is not None:

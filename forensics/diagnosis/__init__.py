@@ -30,7 +30,7 @@ from . import explain, incident, matching, placement, selection
 from .context import Context
 from .explain import render
 from .facts import RunConfig, RunFacts
-from .model import Diagnosis, Event, Evidence, Finding, Hit, RootCause
+from .model import FAILED, HEALTHY, INCOMPLETE, Diagnosis, Event, Evidence, Finding, Hit, RootCause
 
 __all__ = ["diagnose", "headline", "render", "Diagnosis", "RootCause", "Evidence", "Finding", "NothingToDiagnose",
            "ensure_views", "RunFacts", "RunConfig", "Hit", "Event"]
@@ -115,12 +115,12 @@ def run(ctx: Context) -> Diagnosis:
         if not ends and not stops:
             last = f" at step {facts.max_step}" if facts.max_step is not None else ""
             notes.insert(0, f"no failure found; the logs stop{last} without an end-of-run marker (still running, or cut off)")
-            return Diagnosis("incomplete", [], findings, notes=notes)
+            return Diagnosis(INCOMPLETE, [], findings, notes=notes)
         if stops and not ends:
             notes.append("the run was stopped on purpose (SIGINT/SIGTERM) with no failure before it")
-        return Diagnosis("healthy", [], findings, notes=notes, end_evidence=end_ev)
+        return Diagnosis(HEALTHY, [], findings, notes=notes, end_evidence=end_ev)
     notes.extend(choice.notes)
     root = choice.root
     inc = incident.build(ctx, root, choice.causes, choice.fallbacks + choice.demoted, choice.symptoms, facts, hits)
     others = incident.alternatives(ctx, root, choice.causes or choice.demoted, inc)
-    return Diagnosis("failed", [inc, *others], findings, notes=notes)
+    return Diagnosis(FAILED, [inc, *others], findings, notes=notes)

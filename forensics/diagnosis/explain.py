@@ -13,7 +13,7 @@ import duckdb
 from ..catalogue import Remedy
 from .context import Context
 from .facts import RunConfig, RunFacts
-from .model import Diagnosis, Event, Evidence, Finding, Hit, clip
+from .model import HEALTHY, INCOMPLETE, Diagnosis, Event, Evidence, Finding, Hit, clip
 
 
 def time_notes(ctx: Context, root: Event, origin: Hit) -> list[str]:
@@ -226,9 +226,9 @@ def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
 def render(d: Diagnosis, verbose: bool = False) -> str:
     """The readable report of ``forensics diagnose``."""
     lines: list[str] = []
-    if d.verdict == "incomplete":
-        lines.append("verdict: incomplete")
-    elif d.verdict == "healthy":
+    if d.verdict == INCOMPLETE:
+        lines.append(f"verdict: {INCOMPLETE}")
+    elif d.verdict == HEALTHY:
         lines.append("verdict: healthy")
         if d.end_evidence:
             e = d.end_evidence

@@ -17,6 +17,10 @@ from ..catalogue import Rule
 ORIGIN_FORMATS = {"ray_worker", "kernel", "nccl_debug", "ray_raylet", "ray_gcs_server", "ray_monitor", "vllm"}
 PRECISE = ("full", "year_inferred", "no_year")  # stamps printed on the line itself
 
+# The verdicts of ../shared/contract.md (a labelled bundle's root cause is HEALTHY when no
+# failure is expected).
+FAILED, HEALTHY, INCOMPLETE = "failed", "healthy", "incomplete"
+
 
 def clip(s: str, n: int) -> str:
     s = " ".join(s.split())
@@ -93,7 +97,7 @@ class Finding:
 
 @dataclass
 class Diagnosis:
-    verdict: str  # "failed" | "healthy" | "incomplete" (no failure, no end-of-run marker)
+    verdict: str  # FAILED | HEALTHY | INCOMPLETE (no failure, no end-of-run marker)
     root_causes: list[RootCause]
     findings: list[Finding]
     notes: list[str] = field(default_factory=list)
@@ -113,9 +117,9 @@ class Diagnosis:
         return d
 
     def headline(self) -> str:
-        if self.verdict == "healthy":
+        if self.verdict == HEALTHY:
             why = f" ({self.end_evidence.file}:{self.end_evidence.line}: {clip(self.end_evidence.text, 80)})" if self.end_evidence else ""
-            return f"healthy{why}"
+            return f"{HEALTHY}{why}"
         if not self.root_causes:  # incomplete
             return f"{self.verdict}: " + (self.notes[0] if self.notes else "no failure found and no end-of-run marker")
         r = self.root_causes[0]
