@@ -94,7 +94,7 @@ NOT_SIGNATURE_FILES = {"phases.yaml", "findings.yaml"}  # other analyses' files 
 
 # Lines of Python source shown inside a traceback (``raise ValueError("...")``) repeat the
 # text of the error they raise; a rule matches them only when it asks to.
-CODE_LINE = r'^\s+(?:raise |assert |return |print\(|logger\.|logging\.|warnings\.warn|File "|[A-Za-z_][\w.\[\]"\']*\s*[+\-*/]?=[^=])'
+CODE_LINE = r'^\s+(?:raise |assert |return |print\(|logger\.|logging\.|warnings\.warn|File "|[A-Za-z_][\w.\[\]"\']*\s*[+\-*/]?=[^=])|^\s*│\s*(?:❱\s*)?\d+\s*│'
 
 _RULE_ID = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -185,7 +185,8 @@ class ExceptionMatch:
     ``type`` / ``not_type``: any of the event's exception types (dotted as printed, or their
     last component; wrapped types included). ``message`` / ``not_message``: the messages of
     the chain. ``raised_in`` / ``not_raised_in``: the package of the innermost frame of the
-    root exception. ``frames`` / ``not_frames``: any frame as ``file:function``. ``kind``:
+    root exception. ``frames`` / ``not_frames``: any frame as ``file:function``, or the
+    source line a frame shows. ``kind``:
     the event kind. ``signal``: the fatal signal. ``method`` / ``actor``: the failing Ray
     task's method / actor class (or the stream's actor). ``wrapper``: how it was reported.
     ``preceded_by``: a line of the same file within the 200 lines before the event.

@@ -176,7 +176,9 @@ def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | 
         return False
     if m.not_raised_in and e.get("package") in m.not_raised_in:
         return False
+    # a frame is read as `file:function`, and by the source line it shows
     frames = [f"{f.get('file')}:{f.get('function')}" for f in e.get("frames") or []]
+    frames += [f["code"] for f in e.get("frames") or [] if f.get("code")]
     if m.frames and not any(re.search(m.frames, f) for f in frames):
         return False
     if m.not_frames and any(re.search(m.not_frames, f) for f in frames):

@@ -164,7 +164,7 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
             h.phase, h.phase_source = "init", "before_first_step"
 
 
-def _recent_activity(ctx: Context, hits: list[Hit], back: int = 3) -> None:
+def _recent_activity(ctx: Context, hits: list[Hit], back: int = 10) -> None:
     """The phase the lines just before a failure line talk about (what the process was
     doing: ``POST /update_named_param`` before a socket timeout is a weight sync)."""
     if not hits:

@@ -100,9 +100,11 @@ def events(hits: list[Hit], role: str) -> list[Event]:
 
 def order_key(e: Event):
     """Earliest first. A stamp inherited from an earlier line is a lower bound: at an equal
-    time the line that carries its own stamp comes first. Metric alarms without a time
-    are ordered by step."""
-    lo = e.lo
+    time the line that carries its own stamp comes first (and within one file, the earlier
+    line). Metric alarms without a time are ordered by step."""
+    # a line before any stamp of its file happened at or before the file's first stamp
+    # (its upper bound): ordered there, behind the lines that carry that stamp
+    lo = e.lo if e.lo is not None else e.hi
     o = e.origin
     return (lo is None, lo or datetime.max, not e.precise_any, o.step if o.step is not None else math.inf,
             -e.weight, o.path, o.line_no or 0)
@@ -247,6 +249,10 @@ def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: 
     if stops:
         fallbacks = [e for e in fallbacks if not (stop_ts is None or e.lo is None or e.lo >= stop_ts - timedelta(seconds=5))]
         causes = [e for e in causes if not (stop_ts and e.lo and e.lo > stop_ts)]
+    if not causes and not fallbacks and symptoms and not ends and not stops:
+        # only consequences are visible (a DistBackendError, an aborted communicator): the
+        # failure they follow from is the root, for lack of anything earlier
+        fallbacks, symptoms = [Event(cls=e.cls, hits=e.hits, role="fallback") for e in symptoms], []
     if not causes and not fallbacks:
         return Choice(None, [], [], [], symptoms, ends, stops, notes)
 
