@@ -54,7 +54,7 @@ def _rule_sql(idx: int, r: Rule) -> str:
 # are examined (pastes; a real log is not wrapped, and this saves scanning big files).
 WRAP_MIN_WIDTH = 60
 WRAP_MIN_SHARE = 0.3
-WRAP_MAX_LINES = 200_000
+WRAP_MAX_LINES = 20_000
 
 
 def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
