@@ -63,19 +63,21 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_wrapped AS
             WITH small AS (SELECT file_id FROM files WHERE kind = 'text' AND lines <= {WRAP_MAX_LINES}),
-            len AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n
+            len AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n,
+                           regexp_extract(l.text, '^\\W*\\w+') AS first_word
                     FROM lines l SEMI JOIN small USING (file_id)),
             widest AS (SELECT file_id, max(n) AS w, count(*) AS c FROM len GROUP BY file_id HAVING max(n) >= {WRAP_MIN_WIDTH}),
             width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) GROUP BY file_id, widest.w, widest.c
                       HAVING count(*) FILTER (WHERE len.n = widest.w) >= greatest(3, {WRAP_MIN_SHARE} * widest.c)
                          AND count(DISTINCT len.text) FILTER (WHERE len.n = widest.w) >= 3),
-            prev AS (SELECT len.*, width.w, lag(n) OVER w0 AS prev_n, lag(text) OVER w0 AS prev_text
+            prev AS (SELECT len.*, width.w, lag(n) OVER w0 AS prev_n, lag(text) OVER w0 AS prev_text,
+                            lag(first_word) OVER w0 AS prev_word
                      FROM len JOIN width USING (file_id)
                      WINDOW w0 AS (PARTITION BY len.file_id ORDER BY line_no)),
             -- a full-width line continues on the next one unless it ends in padding, or the next
-            -- line starts a record of its own (a header, or the same start as the full line)
+            -- line starts a record of its own (a header, or the first word the full line starts with)
             g AS (SELECT *, sum(CASE WHEN prev_n = w AND NOT regexp_matches(prev_text, '\\s$') AND header IS NULL
-                                          AND left(text, 6) <> left(prev_text, 6) THEN 0 ELSE 1 END)
+                                          AND first_word IS DISTINCT FROM prev_word THEN 0 ELSE 1 END)
                               OVER (PARTITION BY file_id ORDER BY line_no) AS grp FROM prev)
             SELECT file_id, min(line_no) AS line_no, string_agg(message, '' ORDER BY line_no) AS message
             FROM g GROUP BY file_id, grp HAVING count(*) > 1""")
@@ -99,7 +101,7 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_candidates AS
             SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.level, l.header, l.logger, l.actor, l.pid, l.node,
-                   l.rank, l.event_line, {msg} AS message, l.text, f.path, f.format, f.pid AS file_pid
+                   l.rank, l.event_line, {msg} AS message, l.message AS line_message, l.text, f.path, f.format, f.pid AS file_pid
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
@@ -140,7 +142,7 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                 ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
                 actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
                 event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
-                text=row["text"])
+                text=row["text"], line_message=row["line_message"])
         extract(h)
         out.append(h)
     return out

@@ -169,6 +169,7 @@ class Hit:
     step: int | None = None
     alarm: detectors.Alarm | None = None
     event: dict | None = None  # the fatal_events row an exception rule matched (None: a line rule's hit)
+    line_message: str | None = None  # the physical line's message when ``message`` is a hard-wrapped line joined
 
     @property
     def proc(self) -> int | None:
@@ -193,7 +194,8 @@ class Hit:
         return self.ts is not None and self.ts_quality in PRECISE
 
     def evidence(self) -> Evidence:
-        return Evidence(self.path, self.line_no, self.message.strip() if self.message else "",
+        shown = self.line_message if self.line_message is not None else self.message  # the physical line
+        return Evidence(self.path, self.line_no, shown.strip() if shown else "",
                         ts=self.ts.isoformat(sep=" ") if self.ts else None, ts_quality=self.ts_quality, rule=self.rule.id)
 
 
