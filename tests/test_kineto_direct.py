@@ -499,9 +499,9 @@ def test_a_stopped_direct_load_keeps_nothing(tmp_path, monkeypatch, stop_after):
     assert list(spool.iterdir()) == []
     assert st.con.execute("SELECT (SELECT count(*) FROM trace_events), (SELECT count(*) FROM files)").fetchone() == (0, 0)
     if stop_after == "insert":
-        assert asked.count("parsers.kineto") > 2 and asked[-1] == "forensics.pipeline"  # copied, then stopped
+        assert asked.count("forensics.parsers.kineto") > 2 and asked[-1] == "forensics.pipeline"  # copied, then stopped
     else:
-        assert asked == ["parsers.kineto"] * (stop_after + 1)  # stopped at the first check that said so
+        assert asked == ["forensics.parsers.kineto"] * (stop_after + 1)  # stopped at the first check that said so
     st.close()
 
 
