@@ -90,6 +90,9 @@ class _Builder:
             names = seen_formats if isinstance(item, Format) else seen_lines
             if item.name in names:
                 return f"{type(item).__name__} {item.name!r} is declared already"
+            if isinstance(item, Format) and item.kind == "text" and item.parse is not None and item.name != SPLITTER:
+                # small text files are read many at a time by the splitter, whatever their format
+                return f"text format {item.name!r} has a parse function: the text splitter reads every text format"
             names.add(item.name)
             for table in item.tables:
                 if seen_tables.setdefault(table.name, table) != table:

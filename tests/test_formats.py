@@ -149,6 +149,7 @@ NAMED_TEXT = (Format("text", "text", sniff=Sniff(1, lambda h: False)),)  # a nam
 OTHER_METRICS = (LineFormat("other_metrics", 1, _annotate_nothing,
                             tables=(Table("metrics", "Not ours.", (FILE_ID, col("x", pa.int32(), "X."))),)),)
 NOT_A_FORMAT = 42
+OWN_TEXT_PARSER = Format("own_text", "text", parse=_parse_nothing, sniff=Sniff(1, lambda h: False))
 
 
 @pytest.fixture
@@ -184,6 +185,7 @@ def test_declarations_join_by_priority_and_order(entry_points):
     ("NAMED_TEXT", "Format 'text' is declared already"),
     ("OTHER_METRICS", "table 'metrics' is declared already, with other columns"),
     ("NOT_A_FORMAT", "42 is no format declaration"),
+    ("OWN_TEXT_PARSER", "the text splitter reads every text format"),
     ("NO_SUCH_NAME", "AttributeError"),
 ])
 def test_a_package_that_does_not_fit_is_left_out_whole(entry_points, target, why):

@@ -167,3 +167,22 @@ def test_nothing_imports_top_level_parsers_or_signatures():
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_parsers_layering():
+    """What may import what in forensics.parsers: the declarations (base) and the shared
+    header helpers (lines.common) import nothing of the package; the registry only the
+    declarations (it finds the format modules by name); no format module but the text
+    splitter asks the registry; nothing in parsers imports the rest of forensics."""
+    graph = import_graph()
+    p = "forensics.parsers"
+    assert graph[f"{p}.base"] == set() and graph[f"{p}.lines.common"] == set()
+    assert graph[f"{p}.registry"] == {f"{p}.base"}
+    from forensics.parsers import registry
+
+    for name in registry.BUILTIN:
+        uses = graph[f"{p}.{name}"]
+        assert (f"{p}.registry" in uses) == (name == registry.SPLITTER), name
+    for m, uses in graph.items():
+        if m.startswith(p):
+            assert all(u.startswith(p) for u in uses), (m, uses)
