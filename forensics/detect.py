@@ -1,9 +1,17 @@
 """Decide each file's format from its name AND its first bytes.
 
 Files are often renamed (a driver log may be ``train.out``, ``stdout.txt`` or
-``job_output.log``), so the name only breaks ties; the content decides. The format
-names what parser reads the file (``parsers.FORMATS``) and, for text logs, what
-kind of log it is (shown in the ingest summary and the ``files`` table).
+``job_output.log``), so the name only breaks ties; the content decides. Each format
+declares its own rules (:class:`forensics.parsers.base.Format`, found by
+:mod:`forensics.parsers.registry`); this module reads the first bytes (through gzip),
+walks the rules highest priority first, and knows what is common to all formats: empty
+files, binary data, and the host a folder layout names.
+
+Priorities, by convention: above ``BINARY_GATE`` the rules that may claim any bytes (a
+magic number, a JSON document's keys; ours 600-900); then the check that skips binary
+data and UTF-16; below it the kinds of text log, by name first (Ray's exact file names,
+400; torchrun's per-rank layout, 350), then by the share of their lines in the first
+16 KiB (250-300); the plain text format claims the rest (0).
 """
 from __future__ import annotations
 
@@ -11,9 +19,11 @@ import re
 import zlib
 from dataclasses import dataclass
 
-from .parsers import ray_logs, torchrun
+from .parsers import registry
+from .parsers.base import SNIFF_BYTES, Head
 
-SNIFF_BYTES = 64 * 1024
+# Rules of a priority below this one see text only: binary data and UTF-16 are skipped first.
+BINARY_GATE = 500
 
 _NODE_DIR = re.compile(r"^(?:node|host)_(?P<name>.+)$", re.I)  # node_<host>/
 _NODE_NAMED = re.compile(r"^(?:node|host)-?[\w.-]+$", re.I)  # a folder named like a host: node-23/
@@ -23,8 +33,8 @@ _NOT_NODES = re.compile(r"^(?:session_.*|session_latest|logs|events|export_event
 
 @dataclass
 class Detected:
-    format: str  # parser key, see parsers.FORMATS
-    kind: str  # 'text' | 'structured' | 'skipped'
+    format: str  # a format's name (forensics.parsers.registry), or why skipped: empty, binary, ...
+    kind: str  # the format's kind, 'text' | 'structured', or 'skipped'
     compressed: bool = False
     node: str | None = None
     pid: int | None = None
@@ -88,77 +98,39 @@ def _looks_binary(head: bytes) -> bool:
     return False
 
 
-def _first_json_line(head: bytes) -> bytes:
-    nl = head.find(b"\n")
-    return head[:nl] if nl >= 0 else head
+def _not_text(head: bytes) -> str | None:
+    """Why the bytes are no text log to read, or None."""
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16 text (logs are read as UTF-8; convert it with iconv to ingest it)"
+    if _looks_binary(head):
+        return "only NUL bytes (a zero-filled file)" if not head.strip(b"\x00") else "binary content (not a text log)"
+    return None
 
 
 def sniff(rel: str, head: bytes, compressed: bool = False, size: int | None = None) -> Detected:
-    name = rel.rsplit("/", 1)[-1]
-    hints = ray_logs.file_hints(rel)
-    rank = torchrun.rank_from_path(rel)
-    node = node_from_path(rel)
-    base = dict(compressed=compressed, node=node, pid=hints.get("pid"), rank=rank, actor=hints.get("actor"))
+    """The format of the file at ``rel`` (below the ingested root) whose first bytes are
+    ``head``: the first rule of the registry's formats, highest priority first, that claims
+    it; files with nothing to read, and binary data below ``BINARY_GATE``, are skipped."""
+    hints = registry.path_hints(rel)
+    base = dict(compressed=compressed, node=node_from_path(rel), pid=hints.get("pid"), rank=hints.get("rank"), actor=hints.get("actor"))
     if size == 0 or (not head and not compressed):
         return Detected("empty", "skipped", reason="empty file", **base)
     if compressed and not head:
         return Detected("binary", "skipped", reason="gzip data that does not decompress (cut off or corrupt), or nothing in it", **base)
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
-        return Detected("flight_recorder", "structured", **base)
-    stripped = head.lstrip()
-    if stripped[:1] == b"{":
-        window = head[:SNIFF_BYTES]
-        first = _first_json_line(stripped)
-        if b'"traceEvents"' in window or b'"schemaVersion"' in window[:8192] or b'"deviceProperties"' in window:
-            return Detected("kineto_trace", "structured", **base)
-        if first.rstrip().endswith(b"}") and (b'"step"' in first or b'"_step"' in first or b'"global_step"' in first):
-            return Detected("metrics_jsonl", "text", **base)
-        if name.endswith((".jsonl", ".ndjson")):
-            return Detected("metrics_jsonl", "text", **base)
-        return Detected("text", "text", **base)
-    if stripped[:1] == b"[" and b'"ph"' in head[:8192] and (b'"ts"' in head[:8192] or b'"name"' in head[:8192]):
-        return Detected("ray_timeline", "structured", **base)
-    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
-        return Detected("binary", "skipped", reason="UTF-16 text (logs are read as UTF-8; convert it with iconv to ingest it)", **base)
-    if _looks_binary(head):
-        reason = "only NUL bytes (a zero-filled file)" if not head.strip(b"\x00") else "binary content (not a text log)"
+    h = Head(rel, head, compressed, size)
+    gated = False
+    for priority, fmt, rule in registry.rules():
+        if priority < BINARY_GATE and not gated:
+            gated = True
+            reason = _not_text(head)
+            if reason:
+                return Detected("binary", "skipped", reason=reason, **base)
+        if rule.test(h):
+            return Detected(fmt.name, fmt.kind, **base)
+    reason = None if gated else _not_text(head)  # (only when every format may claim any bytes)
+    if reason:
         return Detected("binary", "skipped", reason=reason, **base)
-    return Detected(_text_kind(name, rel, head, hints), "text", **base)
-
-
-_KIND_PATTERNS = [
-    ("nccl_debug", re.compile(rb"\n(?:\[[\d\- :]+\] )?[\w.\-]+:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?:INFO|WARN)")),
-    ("kernel", re.compile(rb"\n(?:\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ [\d:]+ \d{4}\]|\[ *\d+\.\d+\]|\w{3} +\d+ [\d:]+ \S+ kernel:)")),
-    ("driver", re.compile(rb"\n(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?pid=\d+(?:, ip=[^)]+)?\)")),
-    ("vllm", re.compile(rb"\n(?:\([\w]+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[?[\w.]+\.py:\d+\]")),
-    ("torchrun", re.compile(rb"\n(?:\[\w+\d+\]:|[IWE]\d{4} [\d:.]+ \d+ torch/distributed/)")),
-]
-
-
-def _text_kind(name: str, rel: str, head: bytes, hints: dict) -> str:
-    if hints.get("format"):
-        return hints["format"]
-    if torchrun.rank_from_path(rel) is not None:
-        return "torchrun_rank"
-    head = head[:16384]  # a few hundred lines decide the kind
-    # each pattern starts with a newline (the text gets one in front): re then jumps from
-    # newline to newline, where a MULTILINE ``^`` made it try every byte (1 s per 8,000 files)
-    nl_head = b"\n" + head
-    counts = {k: len(p.findall(nl_head)) for k, p in _KIND_PATTERNS}
-    total = max(1, head.count(b"\n"))
-    if counts["nccl_debug"] > total * 0.5:
-        return "nccl_debug"
-    if counts["kernel"] > total * 0.5:
-        return "kernel"
-    if counts["driver"] >= 3:
-        return "driver"
-    if counts["vllm"] > total * 0.2:
-        return "vllm"
-    if counts["torchrun"] >= 3:
-        return "torchrun"
-    if counts["nccl_debug"] > total * 0.2:
-        return "nccl_debug"
-    return "text"
+    return Detected("unknown", "skipped", reason="no format claims it", **base)
 
 
 def detect(path: str, rel: str, size: int) -> Detected:

@@ -458,14 +458,12 @@ class JobResult:
     loaded: IngestSummary | None = None
 
 
-# Formats whose parser can hand its rows to DuckDB's JSON reader (env FORENSICS_DIRECT=0: never).
-DIRECT_FORMATS = ("kineto_trace",)
-
-
 def direct(task: FileTask) -> bool:
-    """Parse ``task`` in a thread of the ingest and let DuckDB read its rows (a new file only:
-    its rows go in a transaction of their own, with its ``files`` row)."""
-    return (task.detected.format in DIRECT_FORMATS and task.is_new and task.start_offset == 0
+    """Parse ``task`` in a thread of the ingest and let DuckDB read its rows (a new file of
+    a format whose parser can hand them over, ``Format.direct``, only: its rows go in a
+    transaction of their own, with its ``files`` row). Env FORENSICS_DIRECT=0: never."""
+    fmt = parsers.format_named(task.detected.format)
+    return (fmt is not None and fmt.direct and task.is_new and task.start_offset == 0
             and os.environ.get("FORENSICS_DIRECT", "1") != "0")
 
 
@@ -530,7 +528,8 @@ BATCH_FILES = 2000
 
 def batchable(task: FileTask) -> bool:
     d = task.detected
-    return d.kind == "text" and d.format in parsers.TEXT_FORMATS and not d.compressed and task.size <= SMALL_FILE and task.start_offset == 0
+    # a text format is read by the splitter, which takes many small files in one frame
+    return d.kind == "text" and not d.compressed and task.size <= SMALL_FILE and task.start_offset == 0
 
 
 def make_jobs(tasks: list[FileTask]) -> list[list[FileTask]]:
@@ -742,6 +741,7 @@ def ingest(
     """
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
+    summary.messages.extend(parsers.problems())  # format packages left out, and why
     settings = [
         # one writer thread: the parser processes need the cores, and DuckDB writes each
         # insert as full row groups instead of one partial group per thread (measured on

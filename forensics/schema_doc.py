@@ -3,8 +3,9 @@
     python -m forensics.schema_doc          # rewrite docs/schema.md
     python -m forensics.schema_doc --check  # exit 1 when docs/schema.md is stale
 
-Tables are documented where they are declared (``parsers/*.py``, ``forensics/store.py``);
-views by the leading ``--`` comment block of their file in ``forensics/sql/``.
+Tables are documented where they are declared (the format modules under ``parsers/``,
+``forensics/store.py``; tables of formats that other packages add are left out); views by
+the leading ``--`` comment block of their file in ``forensics/sql/``.
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _view_doc(sql: str) -> str:
 
 def render() -> str:
     parts = [INTRO, "\n## Tables\n"]
-    for table in sorted(all_tables(), key=lambda t: (t.name != "files", t.name != "lines", t.name)):
+    for table in sorted(all_tables(builtin_only=True), key=lambda t: (t.name != "files", t.name != "lines", t.name)):
         parts.append(f"\n### `{table.name}`\n\n{table.doc}\n\n| column | type | meaning |\n|---|---|---|\n")
         for c in table.columns:
             parts.append(f"| `{c.name}` | {_duck_type(c.type)} | {_escape(c.doc)} |\n")

@@ -106,8 +106,10 @@ META = Table(
 )
 
 
-def all_tables() -> list[Table]:
-    return [FILES, PROBLEMS, META, *parsers.all_tables()]
+def all_tables(builtin_only: bool = False) -> list[Table]:
+    """The bookkeeping tables and every table the formats fill (``builtin_only``: the
+    formats of this package, not those other packages add)."""
+    return [FILES, PROBLEMS, META, *parsers.all_tables(builtin_only)]
 
 
 def _duck_type(t: pa.DataType) -> str:
@@ -505,7 +507,7 @@ class Store:
         if row is None:
             return 0
         year = int(row[0])
-        from .parsers.text import YEARLESS
+        from .parsers.lines.common import YEARLESS
 
         n = self.con.execute(
             f"""UPDATE lines SET ts = ts + to_years({year - YEARLESS}),

@@ -15,10 +15,19 @@ Problems with the input (bad encoding, truncation, corrupt records) are reported
 through :meth:`FileContext.problem`, never by raising, so one bad file cannot stop
 an ingest. A parser raises only for bugs; the pipeline turns those into a per-file
 error too.
+
+Each format says what it is next to its parser, in a :class:`Format`: its name, the
+:class:`Sniff` rules that claim a file for it (from its path and first bytes, see
+:class:`Head`), their priority against the other formats' rules, its parse function and
+the tables it fills. A text format is read by the text splitter (:mod:`.text`), which runs
+every :class:`LineFormat` over the lines of every text file. The declarations are found by
+:mod:`.registry`; nothing else lists formats.
 """
 from __future__ import annotations
 
+import functools
 import gzip
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Union
@@ -160,3 +169,135 @@ class FileContext:
 
     def problem(self, message: str, line_no: int | None = None, kind: str = "error") -> None:
         self.problems.append(Problem(message, line_no, kind))
+
+
+class ChunkContext:
+    """What the line-format modules see besides the frame: the files the frame's lines
+    come from (a frame holds one chunk of one big file or many small files whole) and
+    state that a big file carries from one chunk to the next (per module, per file)."""
+
+    def __init__(self, files: dict[int, FileContext]):
+        self.files = files
+        self.state: dict[tuple[str, int], object] = {}
+
+    def problem(self, file_id: int, message: str, line_no: int | None = None, kind: str = "error") -> None:
+        self.files[file_id].problem(message, line_no, kind)
+
+
+# -- what a format says about itself ---------------------------------------------------
+
+SNIFF_BYTES = 64 * 1024  # what detection reads of a file (decompressed) for the sniffs
+LINE_SAMPLE = 16 * 1024  # what line shares are counted on: a few hundred lines decide the kind
+
+
+class Head:
+    """What a sniff sees of a file: ``rel``, its path below the ingested root
+    ('/'-separated), ``name``, the last part of it, and ``data``, its first bytes
+    (decompressed when the file is gzip, ``compressed``). What several rules ask of the
+    same file (the stripped bytes, the count of lines matching a pattern, what a path
+    says) is worked out once."""
+
+    def __init__(self, rel: str, data: bytes, compressed: bool = False, size: int | None = None):
+        self.rel = rel
+        self.name = rel.rsplit("/", 1)[-1]
+        self.data = data
+        self.compressed = compressed
+        self.size = size
+        self._counts: dict[re.Pattern, int] = {}
+        self._derived: dict[Callable, object] = {}
+
+    @functools.cached_property
+    def stripped(self) -> bytes:
+        """``data`` without leading whitespace."""
+        return self.data.lstrip()
+
+    @functools.cached_property
+    def lines(self) -> int:
+        """Lines in the first ``LINE_SAMPLE`` bytes, at least 1: what a share of lines is a share of."""
+        return max(1, self.data[:LINE_SAMPLE].count(b"\n"))
+
+    @functools.cached_property
+    def _sample(self) -> bytes:
+        return b"\n" + self.data[:LINE_SAMPLE]
+
+    def count(self, pattern: re.Pattern) -> int:
+        """How many lines of the first ``LINE_SAMPLE`` bytes ``pattern`` matches at their
+        start. The pattern begins with ``\\n`` (the sample gets one in front): ``re`` then
+        jumps from newline to newline, where a MULTILINE ``^`` made it try every byte
+        (1 s per 8,000 files)."""
+        n = self._counts.get(pattern)
+        if n is None:
+            n = self._counts[pattern] = len(pattern.findall(self._sample))
+        return n
+
+    def of(self, fn: Callable[[str], object]):
+        """``fn(rel)``, computed once for this file however many rules ask."""
+        if fn not in self._derived:
+            self._derived[fn] = fn(self.rel)
+        return self._derived[fn]
+
+
+@dataclass(frozen=True)
+class Sniff:
+    """A rule that claims a file for a format: ``test(head)`` true, and no rule of a higher
+    ``priority`` claimed it first. The content decides; a rule on the name alone has a
+    lower priority than the rules on the content it would otherwise override."""
+
+    priority: int
+    test: Callable[[Head], bool]
+
+
+TEXT, STRUCTURED = "text", "structured"
+
+
+@dataclass(frozen=True)
+class Format:
+    """One input format, declared next to its parser.
+
+    ``name`` is what ``files.format`` says (and, for text, the ``_fmt`` the line formats
+    see). ``kind``: ``text`` (the file is read by the text splitter: every line goes to
+    ``lines`` and through every :class:`LineFormat`; the format has no ``parse`` of its own,
+    only the splitter's format does) or ``structured`` (``parse(stream, ctx)`` yields the
+    rows of its own tables). ``sniff``: one rule or several (a format may claim a file
+    strongly at one priority and weakly at another). ``tables``: the tables its parser
+    fills. ``hints``: what a path says about the process that wrote the file
+    (``{"pid", "actor", "rank"}``), asked of every file whatever its format. ``direct``:
+    given ``ctx.scratch``, the parser may hand rows over as :class:`JsonArrayRows`.
+    ``headed``: every record of such a file starts with a header, so a line without one
+    continues the record above it."""
+
+    name: str
+    kind: str
+    sniff: Sniff | tuple[Sniff, ...]
+    parse: Callable[..., ParseOutput] | None = None
+    tables: tuple[Table, ...] = ()
+    hints: Callable[[str], dict] | None = None
+    direct: bool = False
+    headed: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.sniff, Sniff):
+            object.__setattr__(self, "sniff", (self.sniff,))
+        if self.kind not in (TEXT, STRUCTURED):
+            raise ValueError(f"format {self.name!r}: kind is {TEXT!r} or {STRUCTURED!r}, not {self.kind!r}")
+        if self.kind == STRUCTURED and self.parse is None:
+            raise ValueError(f"format {self.name!r}: a structured format needs its parse function")
+
+
+# A line format's annotator: (lines frame, ChunkContext) -> (lines frame, {table: rows}).
+Annotator = Callable[[pl.DataFrame, ChunkContext], tuple[pl.DataFrame, dict[str, pl.DataFrame]]]
+
+
+@dataclass(frozen=True)
+class LineFormat:
+    """A family of prefixes or headers that the text splitter looks for on every line of
+    every text file (logs are renamed and mixed: a driver log holds NCCL, vLLM, glog and
+    metric lines). ``annotate`` recognises them on ``message``, fills provenance columns,
+    strips what it recognised and may return rows of ``tables``; it never adds or drops
+    lines. The splitter runs them by ``order``, lowest first: a prefix (``(pid=...)``,
+    ``[rank3]:``) has to be stripped before the header behind it can be matched."""
+
+    name: str
+    order: int
+    annotate: Annotator
+    tables: tuple[Table, ...] = ()

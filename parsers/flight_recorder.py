@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
+from .base import FILE_ID, LINE_NO, FileContext, Format, ParseOutput, Sniff, Table, col
 
 MAX_BYTES = 1 << 30  # a dump larger than this is not read
 # Values converted per dump: a plain pickle holds about one value per byte, a few per byte
@@ -511,3 +511,14 @@ def salvage(data: bytes) -> tuple[Any, set[int], str]:
         elif isinstance(owner, list):
             owner.extend(items)
     return (stack[0] if stack else None), open_ids, reason
+
+
+def _is_pickle(h) -> bool:
+    """A pickle of protocol 2 to 5 (its PROTO opcode): what torch writes a dump as."""
+    return h.data[:1] == b"\x80" and h.data[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+
+
+FORMATS = (
+    Format("flight_recorder", "structured", parse=parse_dump, tables=(FR_DUMPS, FR_GROUPS, FR_ENTRIES),
+           sniff=Sniff(900, _is_pickle)),
+)

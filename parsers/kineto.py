@@ -54,7 +54,7 @@ import polars as pl
 import pyarrow as pa
 import re2
 
-from .base import DECOMPRESS_ERRORS, FILE_ID, FileContext, JsonArrayRows, LINE_NO, ParseOutput, Stopped, Table, col
+from .base import DECOMPRESS_ERRORS, FILE_ID, SNIFF_BYTES, FileContext, Format, JsonArrayRows, LINE_NO, ParseOutput, Sniff, Stopped, Table, col
 
 TRACE_EVENTS = Table(
     "trace_events",
@@ -1370,3 +1370,17 @@ def meta_row(ctx: FileContext, st: FileState, meta: dict) -> pa.Table:
         "truncated": bool(ctx.truncated),
     }
     return pa.Table.from_pylist([row], schema=TRACE_META.arrow_schema)
+
+
+def _is_trace(h) -> bool:
+    """A JSON object with the profiler's keys near its start (``traceEvents`` may come
+    after a long header; ``schemaVersion`` and ``deviceProperties`` come first)."""
+    window = h.data[:SNIFF_BYTES]
+    return h.stripped[:1] == b"{" and (
+        b'"traceEvents"' in window or b'"schemaVersion"' in window[:8192] or b'"deviceProperties"' in window)
+
+
+FORMATS = (
+    Format("kineto_trace", "structured", parse=parse_trace, tables=(TRACE_EVENTS, TRACE_META), direct=True,
+           sniff=Sniff(800, _is_trace)),
+)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import BinaryIO
 
-from .base import FileContext, ParseOutput
-from .kineto import BATCH_BYTES, READ_BYTES, FileState, SafeReader, event_stream, finish_file, stream_rows
+from .base import FileContext, Format, ParseOutput, Sniff
+from .kineto import BATCH_BYTES, READ_BYTES, TRACE_EVENTS, TRACE_META, FileState, SafeReader, event_stream, finish_file, stream_rows
 
 
 def parse_timeline(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_BYTES) -> ParseOutput:
@@ -51,3 +51,15 @@ def parse_timeline(stream: BinaryIO, ctx: FileContext, batch_bytes: int = BATCH_
         ctx.truncated = True
         ctx.problem("empty timeline", None, "truncated")
     yield "trace_meta", finish_file(reader, st, arr, ctx, {})
+
+
+def _is_timeline(h) -> bool:
+    """A JSON array of trace events (their ``ph`` and ``ts`` or ``name`` keys early on)."""
+    sample = h.data[:8192]
+    return h.stripped[:1] == b"[" and b'"ph"' in sample and (b'"ts"' in sample or b'"name"' in sample)
+
+
+FORMATS = (
+    Format("ray_timeline", "structured", parse=parse_timeline, tables=(TRACE_EVENTS, TRACE_META),
+           sniff=Sniff(750, _is_timeline)),
+)

@@ -8,20 +8,25 @@ progress bar that only ever wrote ``\\r``, a dumped blob) is still one row, but 
 ``text`` keeps only its first and last ``KEEP_BYTES`` around a marker that says how many
 bytes were left out (and a warning in ``problems``); it is never held whole in memory.
 
-Each chunk goes through the line-format modules in ``LINE_FORMATS`` order. A module
-is a function ``annotate(df, ctx) -> (df, extra_tables)``: it recognises its prefix
-or header on ``message``, fills provenance columns, strips what it recognised from
-``message`` and may emit rows of its own tables. Modules never drop or add lines.
+Each chunk goes through the line formats (:class:`~.base.LineFormat`, declared by the
+modules of :mod:`.lines` and by other packages, see :mod:`.registry`) in their declared
+order. Each is a function ``annotate(df, ctx) -> (df, extra_tables)``: it recognises its
+prefix or header on ``message``, fills provenance columns, strips what it recognised from
+``message`` and may emit rows of its own tables. They never drop or add lines.
+
+This module declares the format ``text``: its parse function reads every text format, and
+a file no other format claims is read as text.
 """
 from __future__ import annotations
 
-from typing import BinaryIO, Callable, Iterator
+from typing import BinaryIO, Iterator
 
 import polars as pl
 import pyarrow as pa
 
-from . import fatal_events
-from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
+from . import fatal_events, registry
+from .base import FILE_ID, LINE_NO, ChunkContext, FileContext, Format, ParseOutput, Sniff, Table, col
+from .lines.common import YEARLESS
 
 LINES = Table(
     "lines",
@@ -50,9 +55,6 @@ LINES = Table(
 )
 
 CHUNK_BYTES = 16 << 20
-
-# A line-format module: (lines chunk, ctx) -> (lines chunk, {table: frame}).
-Annotator = Callable[[pl.DataFrame, FileContext], tuple[pl.DataFrame, dict[str, pl.DataFrame]]]
 
 _ANSI = r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07"
 
@@ -211,133 +213,6 @@ def base_columns(df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-LEVELS = {
-    "I": "INFO", "W": "WARNING", "E": "ERROR", "F": "FATAL", "C": "FATAL", "D": "DEBUG",
-    "INFO": "INFO", "WARNING": "WARNING", "WARN": "WARNING", "ERROR": "ERROR",
-    "CRITICAL": "FATAL", "FATAL": "FATAL", "DEBUG": "DEBUG", "TRACE": "DEBUG",
-    "ABORT": "FATAL", "NOTICE": "INFO", "ERR": "ERROR",
-}
-
-
-def normalise_level(expr: pl.Expr) -> pl.Expr:
-    return expr.str.to_uppercase().replace_strict(LEVELS, default=None, return_dtype=pl.String)
-
-
-def apply_header(
-    df: pl.DataFrame,
-    pattern: str,
-    name: str | None,
-    fields: dict[str, pl.Expr],
-    only_unset: bool = True,
-    prefilter: pl.Expr | None = None,
-) -> pl.DataFrame:
-    """Recognise one header ``pattern`` (anchored, with a ``(?P<h>...)`` group spanning the
-    whole header) on ``message``; where it matches, set ``fields`` (expressions over the
-    struct column ``_m`` holding the named groups, and over the row's other columns),
-    set ``header`` and strip the header from ``message``.
-
-    Rows already claimed by an earlier header are left alone when ``only_unset``.
-    ``name`` None: a prefix rather than a header (``header`` is left as it is).
-    ``prefilter``: a cheap condition (e.g. ``message.str.starts_with('[')``) that every
-    matching row satisfies; the regex then runs on those rows only. The work is done on
-    the matching rows and scattered back, so its cost follows the matches, not the chunk.
-    """
-    cond = pl.lit(True)
-    if only_unset:
-        cond = pl.col("header").is_null()
-    if prefilter is not None:
-        cond = cond & prefilter
-    idx = df.select(pl.arg_where(cond)).to_series()
-    if idx.is_empty():
-        return df
-    m = df.get_column("message").gather(idx).str.extract_groups(pattern)
-    hit = m.struct.field("h").is_not_null()
-    if not hit.any():
-        return df
-    idx = idx.filter(hit)
-    small = df[idx].with_columns(m.filter(hit).alias("_m"))
-    exprs = dict(fields)
-    if name is not None:
-        exprs["header"] = pl.lit(name, pl.String)
-    exprs["message"] = pl.col("message").str.slice(pl.col("_m").struct.field("h").str.len_chars())
-    new = small.select(**exprs)
-    out = []
-    for column in new.columns:
-        current = df.get_column(column)
-        out.append(current.scatter(idx, new.get_column(column).cast(current.dtype)))
-    return df.with_columns(out)
-
-
-def g(name: str) -> pl.Expr:
-    """The named group ``name`` of the current header match."""
-    return pl.col("_m").struct.field(name)
-
-
-def coalesce_into(column: str, expr: pl.Expr) -> pl.Expr:
-    """Keep an existing value of ``column``; otherwise take ``expr``."""
-    return pl.coalesce(pl.col(column), expr)
-
-
-def parse_ts(expr: pl.Expr) -> pl.Expr:
-    """Parse ``YYYY-MM-DD HH:MM:SS[.fraction]`` (``,`` or ``T`` accepted)."""
-    return (
-        expr.str.replace(",", ".", literal=True)
-        .str.replace("T", " ", literal=True)
-        .str.to_datetime("%Y-%m-%d %H:%M:%S%.f", strict=False, time_unit="us")
-    )
-
-
-YEARLESS = 2000  # placeholder year for formats that print none (a leap year: Feb 29 parses)
-
-
-# at the start of a line, or ending one after unterminated output (a progress bar)
-TRACEBACK_START = r"^\s*Traceback \(most recent call last\):|Traceback \(most recent call last\):\s*$"
-
-
-def mark_tracebacks(df: pl.DataFrame) -> pl.DataFrame:
-    """Group Python tracebacks into one multi-line event: ``event_line`` = first line.
-
-    A traceback starts at ``Traceback (most recent call last):`` and runs over the
-    indented frame lines up to and including the first non-indented line (the
-    exception). Interleaved streams (different pid/rank prefixes) are followed apart.
-    The header may also end a line that something else began without a line break:
-    a progress bar (tqdm redraws with ``\\r``) the crash interrupted.
-    """
-    start = df.get_column("message").str.contains(TRACEBACK_START)
-    fids = df.get_column("file_id").filter(start).unique()
-    if fids.is_empty():
-        return df
-    if fids.len() < df.get_column("file_id").n_unique():
-        # a batch of many files: only those with a traceback need the window work
-        idx = df.select(pl.arg_where(pl.col("file_id").is_in(fids.implode()))).to_series()
-        marked = _mark_tracebacks(df[idx], start.gather(idx)).get_column("event_line")
-        return df.with_columns(df.get_column("event_line").clone().scatter(idx, marked))
-    return _mark_tracebacks(df, start)
-
-
-def _mark_tracebacks(df: pl.DataFrame, is_start: pl.Series) -> pl.DataFrame:
-    """:func:`mark_tracebacks` on the rows ``df``, ``is_start`` marking their first lines."""
-    msg = pl.col("message")
-    start = pl.col("_st")
-    key = [pl.col("file_id"), pl.col("pid").fill_null(-1), pl.col("rank").fill_null(-1), pl.col("actor").fill_null("")]
-    indented = msg.str.contains(r"^(?:\s|\^|~)") | (msg.str.strip_chars() == "")
-    tmp = df.with_columns(is_start.alias("_st")).with_columns(
-        (~start & ~indented).alias("_br"),
-        pl.when(start).then(pl.col("line_no")).alias("_sl"),
-    ).with_columns(
-        pl.col("_sl").forward_fill().over(key).alias("_sl"),
-        pl.col("_br").cast(pl.Int32).cum_sum().over(key).alias("_cb"),
-    )
-    tmp = tmp.with_columns(
-        pl.when(pl.col("_st")).then(pl.col("_cb")).forward_fill().over(key).alias("_cb0")
-    )
-    since = pl.col("_cb") - pl.col("_cb0")
-    inside = pl.col("_sl").is_not_null() & ((since == 0) | ((since == 1) & pl.col("_br")))
-    return tmp.with_columns(
-        pl.when(inside).then(pl.col("_sl")).otherwise(pl.col("event_line")).alias("event_line")
-    ).drop("_st", "_br", "_sl", "_cb", "_cb0")
-
-
 def mark_continuations(df: pl.DataFrame, always: pl.Expr | bool = False) -> pl.DataFrame:
     """In logs where (almost) every record starts with a header, a line without one
     continues the record above it (Ray's multi-line stats dumps, wrapped messages):
@@ -351,43 +226,17 @@ def mark_continuations(df: pl.DataFrame, always: pl.Expr | bool = False) -> pl.D
     )
 
 
-def line_formats() -> list[Annotator]:
-    # Imported here so that each format module can import this one.
-    from . import kernel, nccl, ray_driver, ray_logs, torch_distributed, torchrun, verl_metrics, vllm, headers
-
-    return [
-        ray_driver.annotate,  # (Actor pid=, ip=) prefixes, dedup markers
-        torchrun.annotate,  # [defaultN]: / [rankN]: prefixes, ChildFailedError
-        ray_logs.annotate,  # Ray python / C++ headers, worker-file markers
-        nccl.annotate,  # host:pid:tid [dev] NCCL ...
-        torch_distributed.annotate,  # c10d glog lines, watchdog timeouts
-        vllm.annotate,  # vLLM / SGLang headers and stats
-        kernel.annotate,  # dmesg / kern.log / journalctl
-        headers.annotate,  # generic python logging / ISO timestamp headers
-        verl_metrics.annotate,  # step:N - key:value lines
-        verl_metrics.annotate_jsonl,  # records of metrics JSONL files
-    ]
-
-
-class ChunkContext:
-    """What the line-format modules see besides the frame: the files the frame's lines
-    come from (a frame holds one chunk of one big file or many small files whole) and
-    state that a big file carries from one chunk to the next (per module, per file)."""
-
-    def __init__(self, files: dict[int, FileContext]):
-        self.files = files
-        self.state: dict[tuple[str, int], object] = {}
-
-    def problem(self, file_id: int, message: str, line_no: int | None = None, kind: str = "error") -> None:
-        self.files[file_id].problem(message, line_no, kind)
+def _headed_formats() -> list[str]:
+    """The formats whose every record starts with a header (see :func:`mark_continuations`)."""
+    return [f.name for f in registry.formats() if f.headed]
 
 
 def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, dict[str, pl.DataFrame]]:
     """Run every line-format module over a lines frame (see :func:`lines_frame`)."""
     df = base_columns(df)
     extras: dict[str, list[pl.DataFrame]] = {}
-    for annotate in line_formats():
-        df, more = annotate(df, cctx)
+    for line_format in registry.line_formats():
+        df, more = line_format.annotate(df, cctx)
         for name, frame in more.items():
             if frame is not None and frame.height:
                 extras.setdefault(name, []).append(frame)
@@ -396,8 +245,7 @@ def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, 
     df = df.with_columns(event_line.alias("event_line"))
     if events.height:
         extras.setdefault(fatal_events.FATAL_EVENTS.name, []).append(events)
-    # Ray's daemon logs (raylet, gcs, core workers, monitor) put a header on every record
-    df = mark_continuations(df, always=pl.col("_fmt").str.starts_with("ray_") & ~pl.col("_fmt").is_in(["ray_worker", "ray_events"]))
+    df = mark_continuations(df, always=pl.col("_fmt").is_in(_headed_formats()))
     df = _finish_timestamps(df, cctx)
     unparsed = df.group_by("file_id").agg(
         (pl.col("header").is_null() & pl.col("event_line").is_null() & pl.col("message").str.strip_chars().ne("")).sum().alias("u"),
@@ -506,3 +354,16 @@ def _finish_timestamps(df: pl.DataFrame, cctx: ChunkContext) -> pl.DataFrame:
     for fid, year, ts in last.iter_rows():
         cctx.state[("ts", fid)] = (year, ts)
     return df.drop("_year")
+
+
+FORMATS = (
+    Format(
+        "text", "text", parse=parse_text, tables=(LINES, fatal_events.FATAL_EVENTS),
+        sniff=(
+            # a JSON object no format claimed: its lines, even with control bytes in them
+            # (tried before the binary check of forensics.detect)
+            Sniff(600, lambda h: h.stripped[:1] == b"{"),
+            Sniff(0, lambda h: True),  # any other text: what no format claims
+        ),
+    ),
+)

@@ -1,4 +1,4 @@
-"""Generic timestamp headers (parsers/headers.py): Python logging shapes and ISO stamps."""
+"""Generic timestamp headers (parsers/lines/headers.py): Python logging shapes and ISO stamps."""
 from __future__ import annotations
 
 import io

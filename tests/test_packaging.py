@@ -47,11 +47,15 @@ def test_installed_wheel_has_no_top_level_parsers(wheel, tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     code = ("import forensics, forensics.parsers, forensics.parsers.text, forensics.catalogue as c;"
-            "print(forensics.__file__); print(forensics.parsers.__file__); print(len(c.load().rules))")
+            "print(forensics.__file__); print(forensics.parsers.__file__); print(len(c.load().rules));"
+            "print(len(forensics.parsers.formats()), len(forensics.parsers.line_formats()))")
     r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, cwd=outside)
     assert r.returncode == 0, r.stderr[-2000:]
-    first, second, rules = r.stdout.split()
+    first, second, rules, formats, line_formats = r.stdout.split()
     assert str(site) in first and str(site) in second and int(rules) > 10
+    # every built-in format module is in the wheel (the line formats in their sub-package)
+    import forensics.parsers
+    assert (int(formats), int(line_formats)) == (len(forensics.parsers.formats()), len(forensics.parsers.line_formats()))
     for name in ("parsers", "signatures"):
         r = subprocess.run([str(py), "-c", f"import {name}"], capture_output=True, text=True, cwd=outside)
         assert r.returncode != 0 and "ModuleNotFoundError" in r.stderr, (name, r.stdout, r.stderr)
@@ -160,7 +164,25 @@ def test_nothing_imports_top_level_parsers_or_signatures():
     assert not bad
 
 
-@pytest.mark.xfail(strict=True, reason="parsers.text and the line formats import each other (issue 16, part 2)")
 def test_no_import_cycles():
     found = cycles(import_graph())
     assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_parsers_layering():
+    """What may import what in forensics.parsers: the declarations (base) and the shared
+    header helpers (lines.common) import nothing of the package; the registry only the
+    declarations (it finds the format modules by name); no format module but the text
+    splitter asks the registry; nothing in parsers imports the rest of forensics."""
+    graph = import_graph()
+    p = "forensics.parsers"
+    assert graph[f"{p}.base"] == set() and graph[f"{p}.lines.common"] == set()
+    assert graph[f"{p}.registry"] == {f"{p}.base"}
+    from forensics.parsers import registry
+
+    for name in registry.BUILTIN:
+        uses = graph[f"{p}.{name}"]
+        assert (f"{p}.registry" in uses) == (name == registry.SPLITTER), name
+    for m, uses in graph.items():
+        if m.startswith(p):
+            assert all(u.startswith(p) for u in uses), (m, uses)

@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 
 from forensics.parsers.base import FileContext
-from forensics.parsers import text, vllm
+from forensics.parsers import text
+from forensics.parsers.lines import vllm
 
 from .conftest import FIXTURES
 

@@ -7,10 +7,12 @@
 """
 from __future__ import annotations
 
+import re
+
 import polars as pl
 
-from .base import FileContext
-from .text import YEARLESS, apply_header, g, parse_ts
+from ..base import FileContext, Format, LineFormat, Sniff
+from .common import YEARLESS, apply_header, g, parse_ts
 
 _MON = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
 DMESG_T = rf"^(?P<h>\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) (?P<mon>{_MON}) +(?P<day>\d{{1,2}}) (?P<time>\d{{2}}:\d{{2}}:\d{{2}}) (?P<year>\d{{4}})\] ?)"
@@ -51,3 +53,12 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
             "logger": g("proc"),
         })
     return df, {}
+
+
+# A dmesg (-T) or syslog kernel line.
+KERNEL_LINE = re.compile(rb"\n(?:\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ [\d:]+ \d{4}\]|\[ *\d+\.\d+\]|\w{3} +\d+ [\d:]+ \S+ kernel:)")
+
+FORMATS = (
+    LineFormat("kernel", 70, annotate),
+    Format("kernel", "text", sniff=Sniff(290, lambda h: h.count(KERNEL_LINE) > h.lines * 0.5)),
+)

@@ -4,7 +4,7 @@ Header styles by torch era:
 
 * >= 2.4: ``[E1130 00:33:22.797275109 ProcessGroupNCCL.cpp:616] msg`` (level letter,
   month without leading zero + 2-digit day, nanoseconds; no year), usually behind a
-  ``[rankN]:`` prefix that :mod:`parsers.torchrun` strips;
+  ``[rankN]:`` prefix that :mod:`.torchrun` strips;
 * 2.2/2.3: ``[E ProcessGroupNCCL.cpp:563] msg`` behind ``[rankN]:``;
 * <= 2.1: ``[E ProcessGroupNCCL.cpp:475] msg``;
 * python logging of torch.distributed.elastic: ``W0314 10:02:11.123000 140234 torch/distributed/run.py:793] msg``.
@@ -24,8 +24,8 @@ from __future__ import annotations
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, FileContext, Table, col
-from .text import YEARLESS, apply_header, coalesce_into, g, normalise_level
+from ..base import FILE_ID, LINE_NO, FileContext, LineFormat, Table, col
+from .common import YEARLESS, apply_header, coalesce_into, g, normalise_level
 
 GLOG_BRACKET = r"^(?P<h>\[(?P<level>[IWEF])(?P<md>\d{3,4}) (?P<time>\d{2}:\d{2}:\d{2}\.\d+)(?: (?P<pid>\d+))? (?P<logger>[\w./<>-]+:\d+)\] ?)"
 GLOG_BRACKET_NOTIME = r"^(?P<h>\[(?P<level>[IWEF]) (?P<logger>[\w./<>-]+:\d+)\] ?)"
@@ -192,3 +192,6 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         })
     events = pg_events(df)
     return df, ({"pg_events": events} if events is not None and events.height else {})
+
+
+FORMATS = (LineFormat("torch_distributed", 50, annotate, tables=(PG_EVENTS,)),)

@@ -11,10 +11,12 @@ Ray's explanation of RAY_DEDUP_LOGS.
 """
 from __future__ import annotations
 
+import re
+
 import polars as pl
 
-from .base import FileContext
-from .text import apply_header, g
+from ..base import FileContext, Format, LineFormat, Sniff
+from .common import apply_header, g
 
 _WORKER = (
     r"^(?P<h>\((?:(?P<actor>[A-Za-z_][\w.<>\-]*) )?pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
@@ -37,3 +39,13 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
             pl.col("message").str.replace(_DEDUP, ""),
         )
     return df, {}
+
+
+# A driver console line: a worker's line copied behind its Ray prefix, colour codes and all.
+DRIVER_LINE = re.compile(rb"\n(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?pid=\d+(?:, ip=[^)]+)?\)")
+
+FORMATS = (
+    LineFormat("ray_driver", 10, annotate),  # first: the prefix hides every header behind it
+    # a few prefixed lines make a driver log (the rest is the driver's own output)
+    Format("driver", "text", sniff=Sniff(280, lambda h: h.count(DRIVER_LINE) >= 3)),
+)

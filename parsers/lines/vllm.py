@@ -3,7 +3,7 @@
 Headers:
 
 * vLLM >= 0.8: ``INFO 03-14 10:00:00 [file.py:123] msg``; 0.4-0.7: ``INFO 03-14 10:00:00 file.py:123] msg``
-  (no year; the process prefix ``(EngineCore_0 pid=123)`` is handled by :mod:`parsers.ray_driver`).
+  (no year; the process prefix ``(EngineCore_0 pid=123)`` is handled by :mod:`.ray_driver`).
 * SGLang: ``[2025-03-17 10:00:00 TP0] msg``, with data parallelism ``[... DP0 TP0]``.
 
 Messages turned into ``metrics`` rows (``step`` null, ``source`` ``vllm`` / ``sglang``)
@@ -50,8 +50,9 @@ import re
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, Table, col
-from .text import YEARLESS, apply_header, g, normalise_level, parse_ts
+from ..base import FILE_ID, LINE_NO, Format, LineFormat, Sniff, Table, col
+from .common import YEARLESS, apply_header, g, normalise_level, parse_ts
+from .verl_metrics import METRICS
 
 ENGINE_EVENTS = Table(
     "engine_events",
@@ -241,3 +242,12 @@ def _number(text: str | None) -> float | None:
         return float(text.replace(",", ""))
     except ValueError:
         return None
+
+
+# A vLLM header line, bare or behind the engine's process prefix.
+VLLM_LINE = re.compile(rb"\n(?:\([\w]+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) \d\d-\d\d [\d:]+ \[?[\w.]+\.py:\d+\]")
+
+FORMATS = (
+    LineFormat("vllm", 60, annotate, tables=(ENGINE_EVENTS, METRICS)),
+    Format("vllm", "text", sniff=Sniff(270, lambda h: h.count(VLLM_LINE) > h.lines * 0.2)),
+)

@@ -14,8 +14,8 @@ import re
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, FileContext, Table, col
-from .text import apply_header, g
+from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, Sniff, Table, col
+from .common import apply_header, g
 
 CHILD_FAILURES = Table(
     "child_failures",
@@ -106,3 +106,19 @@ def child_failures(df: pl.DataFrame) -> pl.DataFrame:
     if not rows:
         return CHILD_FAILURES.empty()
     return pl.DataFrame(rows, schema_overrides=CHILD_FAILURES.polars_schema, infer_schema_length=None)
+
+
+def process_hints(path: str) -> dict:
+    """What a per-rank log path says: the rank (whatever the file's format)."""
+    return {"rank": rank_from_path(path)}
+
+
+# A tee prefix ([default0]:) or a torch.distributed glog line of the launcher.
+TORCHRUN_LINE = re.compile(rb"\n(?:\[\w+\d+\]:|[IWE]\d{4} [\d:.]+ \d+ torch/distributed/)")
+
+FORMATS = (
+    LineFormat("torchrun", 20, annotate, tables=(CHILD_FAILURES,)),  # [rankN]: before the headers behind it
+    # a file of torchrun's log_dir layout: whatever is in it, it is that rank's output
+    Format("torchrun_rank", "text", sniff=Sniff(350, lambda h: h.of(rank_from_path) is not None), hints=process_hints),
+    Format("torchrun", "text", sniff=Sniff(260, lambda h: h.count(TORCHRUN_LINE) >= 3)),
+)

@@ -16,8 +16,8 @@ import re
 
 import polars as pl
 
-from .base import FileContext
-from .text import apply_header, coalesce_into, g, normalise_level, parse_ts
+from ..base import FileContext, Format, LineFormat, Sniff
+from .common import apply_header, coalesce_into, g, normalise_level, parse_ts
 
 _TS = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}"
 PY = rf"^(?P<h>(?P<ts>{_TS})\t(?P<level>[A-Z]+) (?P<logger>[^\s]+:\d+) -- )"
@@ -26,7 +26,8 @@ _MARKER = r"^:(job_id|actor_name|task_name):(.*)$"
 
 _WORKER_FILE = re.compile(r"(?:^|/)worker-(?P<wid>[0-9a-f]{8,})-(?P<job>[0-9a-f]{8})-(?P<pid>\d+)\.(?:out|err)$")
 _CORE_FILE = re.compile(r"(?:^|/)python-core-(?:worker|driver)-(?P<wid>[0-9a-f]+)_(?P<pid>\d+)\.log$")
-_DAEMON_FILE = re.compile(r"(?:^|/)(?P<name>raylet|gcs_server|monitor|log_monitor|dashboard|dashboard_agent|runtime_env_agent)(?:\.\d+)?\.(?:out|err|log)$")
+DAEMONS = ("raylet", "gcs_server", "monitor", "log_monitor", "dashboard", "dashboard_agent", "runtime_env_agent")
+_DAEMON_FILE = re.compile(rf"(?:^|/)(?P<name>{'|'.join(DAEMONS)})(?:\.\d+)?\.(?:out|err|log)$")
 _EVENT_FILE = re.compile(r"(?:^|/)events/event_(?P<name>[A-Z_]+?)(?:_(?P<pid>\d+))?\.log$")
 
 
@@ -89,3 +90,25 @@ def _worker_markers(df: pl.DataFrame, ctx) -> pl.DataFrame:
         pl.coalesce(pl.col("_owner"), pl.col("actor")).alias("actor"),
         pl.when(pl.col("_mk") & is_worker).then(pl.lit("ray_marker")).otherwise(pl.col("header")).alias("header"),
     ).drop("_owner", "_mk")
+
+
+def process_hints(path: str) -> dict:
+    """What a Ray session file's name says about its process (whatever the file's format)."""
+    hints = file_hints(path)
+    return {"pid": hints.get("pid"), "actor": hints.get("actor")}
+
+
+def _named(fmt: str) -> Sniff:
+    # Ray's file names are exact: they decide among text logs (below the binary check)
+    return Sniff(400, lambda h: h.of(file_hints).get("format") == fmt)
+
+
+# Every record of a Ray daemon's or core worker's log starts with a header; a worker's
+# stdout (anything the user printed) and the event files do not.
+_HEADED = ("ray_core_worker", *(f"ray_{d}" for d in DAEMONS))
+
+FORMATS = (
+    LineFormat("ray_logs", 30, annotate),
+    *(Format(fmt, "text", sniff=_named(fmt), hints=process_hints, headed=fmt in _HEADED)
+      for fmt in ("ray_worker", "ray_core_worker", "ray_events", *(f"ray_{d}" for d in DAEMONS))),
+)

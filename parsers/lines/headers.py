@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import polars as pl
 
-from .base import FileContext
-from .text import apply_header, g, normalise_level, parse_ts
+from ..base import FileContext, LineFormat
+from .common import apply_header, g, normalise_level, parse_ts
 
 _LEVEL = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL"
 ISO = (
@@ -42,3 +42,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         "logger": pl.coalesce(g("name"), g("src")),
     }, prefilter=pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}"))
     return df, {}
+
+
+# After the specific formats: a stamp they recognised is theirs (only unclaimed lines are read here).
+FORMATS = (LineFormat("headers", 80, annotate),)

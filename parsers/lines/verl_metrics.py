@@ -18,7 +18,7 @@ import orjson
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, FileContext, ParseOutput, Table, col
+from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, ParseOutput, Sniff, Table, col
 
 METRICS = Table(
     "metrics",
@@ -164,3 +164,26 @@ def annotate_jsonl(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
         return df, {}
     schema = METRICS.polars_schema
     return df, {"metrics": pl.DataFrame(cols, schema={k: schema[k] for k in cols})}
+
+
+def _first_line(data: bytes) -> bytes:
+    nl = data.find(b"\n")
+    return data[:nl] if nl >= 0 else data
+
+
+def _metric_record(h) -> bool:
+    """The first line is one JSON object with a step: a metrics file, whatever its name."""
+    first = _first_line(h.stripped)
+    return (h.stripped[:1] == b"{" and first.rstrip().endswith(b"}")
+            and (b'"step"' in first or b'"_step"' in first or b'"global_step"' in first))
+
+
+FORMATS = (
+    LineFormat("verl_metrics", 90, annotate, tables=(METRICS,)),  # after the headers: the step line is their message
+    LineFormat("verl_metrics_jsonl", 100, annotate_jsonl, tables=(METRICS,)),
+    Format("metrics_jsonl", "text", sniff=(
+        Sniff(700, _metric_record),
+        # a JSON object that is no trace, named as JSON Lines (the content did not decide)
+        Sniff(650, lambda h: h.stripped[:1] == b"{" and h.name.endswith((".jsonl", ".ndjson"))),
+    )),
+)

@@ -25,11 +25,13 @@ Besides recognising the header, this module fills these tables:
 """
 from __future__ import annotations
 
+import re
+
 import polars as pl
 import pyarrow as pa
 
-from .base import FILE_ID, LINE_NO, FileContext, Table, col
-from .text import apply_header, g, normalise_level, parse_ts
+from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, Sniff, Table, col
+from .common import apply_header, g, normalise_level, parse_ts
 
 HEADER = (
     r"^(?P<h>(?:\[(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:\.\d+)?)\] )?"
@@ -480,3 +482,16 @@ def _colls(sub: pl.DataFrame, comms: pl.DataFrame) -> pl.DataFrame | None:
             pl.coalesce("_crank", "rank").alias("rank")
         ).drop("_crank")
     return out
+
+
+# An NCCL debug line (the header of :data:`HEADER`, INFO or WARN) at the start of a line.
+NCCL_LINE = re.compile(rb"\n(?:\[[\d\- :]+\] )?[\w.\-]+:\d+:\d+ \[\d+\] (?:[\w./-]+:\d+ )?NCCL (?:INFO|WARN)")
+
+FORMATS = (
+    LineFormat("nccl", 40, annotate, tables=(NCCL_COMMS, NCCL_TOPOLOGY, NCCL_ENV, NCCL_ERRORS, NCCL_COLLS)),
+    Format("nccl_debug", "text", sniff=(
+        Sniff(300, lambda h: h.count(NCCL_LINE) > h.lines * 0.5),  # mostly NCCL: an NCCL_DEBUG_FILE
+        # often NCCL, and no other kind of log claimed it (a driver log with NCCL in it is a driver log)
+        Sniff(250, lambda h: h.count(NCCL_LINE) > h.lines * 0.2),
+    )),
+)
