@@ -264,7 +264,9 @@ class Format:
     (``{"pid", "actor", "rank"}``), asked of every file whatever its format. ``direct``:
     given ``ctx.scratch``, the parser may hand rows over as :class:`JsonArrayRows`.
     ``headed``: every record of such a file starts with a header, so a line without one
-    continues the record above it."""
+    continues the record above it. ``own_output``: the file is what one process (or the
+    kernel) wrote itself, not a driver's prefixed copy of many: the diagnosis cites its
+    line before a copy of the same failure elsewhere."""
 
     name: str
     kind: str
@@ -274,6 +276,7 @@ class Format:
     hints: Callable[[str], dict] | None = None
     direct: bool = False
     headed: bool = False
+    own_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.sniff, Sniff):

@@ -11,10 +11,12 @@ from typing import Any
 
 from .. import detectors
 from ..catalogue import Rule
+from ..parsers import registry
 
-# File formats that are a process's own output (not a copy on the driver): their lines are
-# cited before a driver's prefixed copy of the same failure.
-ORIGIN_FORMATS = {"ray_worker", "kernel", "nccl_debug", "ray_raylet", "ray_gcs_server", "ray_monitor", "vllm"}
+# File formats that are a process's own output (not a copy on the driver), as their
+# declarations say (parsers.base.Format.own_output): their lines are cited before a
+# driver's prefixed copy of the same failure.
+ORIGIN_FORMATS = frozenset(f.name for f in registry.formats() if f.own_output)
 PRECISE = ("full", "year_inferred", "no_year")  # stamps printed on the line itself
 
 # The verdicts of ../shared/contract.md (a labelled bundle's root cause is HEALTHY when no

@@ -60,5 +60,5 @@ KERNEL_LINE = re.compile(rb"\n(?:\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \w{3} +\d+ [\
 
 FORMATS = (
     LineFormat("kernel", 70, annotate),
-    Format("kernel", "text", sniff=Sniff(290, lambda h: h.count(KERNEL_LINE) > h.lines * 0.5)),
+    Format("kernel", "text", sniff=Sniff(290, lambda h: h.count(KERNEL_LINE) > h.lines * 0.5), own_output=True),
 )

@@ -493,5 +493,5 @@ FORMATS = (
         Sniff(300, lambda h: h.count(NCCL_LINE) > h.lines * 0.5),  # mostly NCCL: an NCCL_DEBUG_FILE
         # often NCCL, and no other kind of log claimed it (a driver log with NCCL in it is a driver log)
         Sniff(250, lambda h: h.count(NCCL_LINE) > h.lines * 0.2),
-    )),
+    ), own_output=True),
 )

@@ -106,9 +106,11 @@ def _named(fmt: str) -> Sniff:
 # Every record of a Ray daemon's or core worker's log starts with a header; a worker's
 # stdout (anything the user printed) and the event files do not.
 _HEADED = ("ray_core_worker", *(f"ray_{d}" for d in DAEMONS))
+# one process's own output: a worker's stdout/stderr file, the daemons that own a node
+_OWN = ("ray_worker", "ray_raylet", "ray_gcs_server", "ray_monitor")
 
 FORMATS = (
     LineFormat("ray_logs", 30, annotate),
-    *(Format(fmt, "text", sniff=_named(fmt), hints=process_hints, headed=fmt in _HEADED)
+    *(Format(fmt, "text", sniff=_named(fmt), hints=process_hints, headed=fmt in _HEADED, own_output=fmt in _OWN)
       for fmt in ("ray_worker", "ray_core_worker", "ray_events", *(f"ray_{d}" for d in DAEMONS))),
 )

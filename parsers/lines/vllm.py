@@ -249,5 +249,5 @@ VLLM_LINE = re.compile(rb"\n(?:\([\w]+ pid=\d+\) )?(?:INFO|WARNING|ERROR|DEBUG) 
 
 FORMATS = (
     LineFormat("vllm", 60, annotate, tables=(ENGINE_EVENTS, METRICS)),
-    Format("vllm", "text", sniff=Sniff(270, lambda h: h.count(VLLM_LINE) > h.lines * 0.2)),
+    Format("vllm", "text", sniff=Sniff(270, lambda h: h.count(VLLM_LINE) > h.lines * 0.2), own_output=True),
 )
