@@ -132,7 +132,7 @@ _PROGRESS = re.compile(r"\d+%\|[^|]*\||\d+it/s\]|\[\d+:\d+<")
 _SIGNAL_EXIT = re.compile(r"Signal (?P<num>\d+) \((?P<sig>SIG[A-Z]+)\) received")
 
 _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During handling of the above|File \"|"
-           r"\*\*\* SIG|Fatal Python error|terminate called after throwing|Unhandled exception: |"
+           r"\*\*\* SIG|Fatal Python error|terminate called after throwing|Unhandled exception: |^\s*what\(\):|"
            r"StackTrace Information|Check failure stack trace|Error executing job with overrides|"
            r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
@@ -498,6 +498,8 @@ def _cpp_event(st: _Stream, k: int, ev: _Event) -> int:
                 part.type, part.line_no = t.group("type"), st.rows[k]
             elif u:
                 part.type, part.message, part.line_no = u.group("type"), u.group("msg").strip(), st.rows[k]
+            elif w:  # the text starts at what(): the exception's type was on the line before
+                part.message, part.line_no = w.group("msg").strip(), st.rows[k]
             else:  # a fatal record: its message is the text
                 part.message, part.line_no = m.strip(), st.rows[k]
             ev.exc_row = st.rows[k]
@@ -532,7 +534,7 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
     if _SIGNAL.search(m) or _NATIVE_FRAME.match(m) or _FATAL_PY.match(m):
         ev = _Event("native", k)
         return ev, _native_event(st, k, ev)
-    if _TERMINATE.search(m) or _UNHANDLED.search(m) or _CPP_STACK.match(m):
+    if _TERMINATE.search(m) or _UNHANDLED.search(m) or _CPP_STACK.match(m) or _WHAT.match(m):
         ev = _Event("cpp", k)
         return ev, _cpp_event(st, k, ev)
     if _TB_HEAD.search(m):
@@ -674,7 +676,7 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
     if exc_type is None:
         if ev.kind == "fatal_log":
             exc_type = "FATAL"  # a fatal log record: no exception type, its severity
-        elif ev.kind == "python":
+        elif ev.kind in ("python", "cpp"):
             exc_type, cut_off = "unknown", True
     last = typed[-1] if typed else None
     outer = last if last is not None and last.type not in (exc_type, None) and last is not root \

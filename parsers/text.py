@@ -92,11 +92,20 @@ def iter_chunks(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tu
     """Yield ``(data, size)``: ``data`` holds whole lines (it ends just after a ``\\n``; the
     last one may not) and stands for the next ``size`` bytes of the stream. They differ
     only for a line longer than ``MAX_LINE_BYTES`` met before its end was read: it comes
-    alone, already shortened (:func:`shorten_line`), and is never held whole."""
+    alone, already shortened (:func:`shorten_line`), and is never held whole.
+
+    A last line without ``\\n`` comes with the chunk before it, not alone: a log cut off
+    mid-record (a traceback's exception line, a paste) keeps that record in one chunk."""
     rest = b""
+    held: tuple[bytes, int] | None = None  # the last chunk, until we know whether only a tail follows
     while True:
         block = stream.read(chunk_bytes)
         if not block:
+            if held is not None and rest and len(held[0]) + len(rest) <= chunk_bytes + MAX_LINE_BYTES:
+                yield held[0] + rest, held[1] + len(rest)
+                return
+            if held is not None:
+                yield held
             if rest:
                 yield rest, len(rest)
             return
@@ -105,10 +114,15 @@ def iter_chunks(stream: BinaryIO, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tu
         if cut < 0:
             rest = data
             if len(rest) > MAX_LINE_BYTES:
+                if held is not None:
+                    yield held
+                    held = None
                 line, size, rest = _long_line(rest, stream, chunk_bytes)
                 yield line, size
             continue
-        yield data[: cut + 1], cut + 1
+        if held is not None:
+            yield held
+        held = (data[: cut + 1], cut + 1)
         rest = data[cut + 1 :]
 
 

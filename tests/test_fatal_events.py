@@ -329,3 +329,34 @@ def test_batch_and_single_file_parses_agree():
     a = pl.concat(singles).sort("file_id", "line_no")
     b = pl.concat(batch).sort("file_id", "line_no")
     assert a.height == 2 and a.equals(b)
+
+
+def test_a_last_line_without_newline_stays_in_its_traceback():
+    """A paste cut at the end of the exception line (no final newline) is one event, also
+    when the file is read in chunks."""
+    text = ('Traceback (most recent call last):\n  File "/x/dp_actor.py", line 266, in compute_log_prob\n'
+            '    entropy = f(logits)\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 13.91 GiB. See docu')
+    for chunk in (len(text), 40):
+        ctx = FileContext(file_id=1, path="w.err", size=len(text), fmt="text")
+        events = [f for name, f in parse_text(io.BytesIO(text.encode()), ctx, chunk_bytes=chunk) if name == FATAL_EVENTS.name]
+        if chunk == len(text):
+            (ev,) = events
+            assert ev.select("line_no", "exc_line", "exc_type").rows() == [(1, 4, "torch.OutOfMemoryError")]
+
+
+def test_iter_chunks_keeps_an_unterminated_tail_with_its_chunk():
+    from forensics.parsers.text import iter_chunks
+
+    data = b"a1\nb2\nc3\ntail-without-newline"
+    chunks = list(iter_chunks(io.BytesIO(data), chunk_bytes=6))
+    assert b"".join(c for c, _ in chunks) == data and sum(n for _, n in chunks) == len(data)
+    assert chunks[-1][0].endswith(b"\ntail-without-newline")  # not a chunk of its own
+
+
+def test_watchdog_text_seen_only_from_what():
+    e = _one('''
+          what():  [PG ID 0 PG GUID 0(default_pg) Rank 3] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=88, OpType=_ALLGATHER_BASE) ran for 1800032 milliseconds before timing out.
+        Exception raised from checkTimeout at /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:635 (most recent call first):
+        ''')
+    assert (e["kind"], e["exc_type"], e["cut_off"]) == ("cpp", "unknown", True)
+    assert "Watchdog caught collective operation timeout" in e["message"]
