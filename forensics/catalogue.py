@@ -82,7 +82,7 @@ RULE_KEYS = {
 WHERE_KEYS = {"header", "format", "level", "path", "actor", "in_traceback", "logger"}
 # what an `exception:` matcher of a rule may test on a fatal event (parsers/fatal_events.py)
 EXCEPTION_KEYS = {"type", "not_type", "message", "not_message", "raised_in", "not_raised_in", "frames", "not_frames",
-                  "kind", "signal", "method", "actor", "preceded_by", "wrapper"}
+                  "kind", "signal", "method", "actor", "preceded_by", "wrapper", "not_wrapper"}
 EXAMPLE_KEYS = {"match", "no_match"}
 CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "missing_rank", "unexplained",
                   "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific"}
@@ -188,7 +188,8 @@ class ExceptionMatch:
     root exception. ``frames`` / ``not_frames``: any frame as ``file:function``, or the
     source line a frame shows. ``kind``:
     the event kind. ``signal``: the fatal signal. ``method`` / ``actor``: the failing Ray
-    task's method / actor class (or the stream's actor). ``wrapper``: how it was reported.
+    task's method / actor class (or the stream's actor). ``wrapper`` / ``not_wrapper``: how
+    it was reported (``RayTaskError``, ``hydra``, ``ignored``, ``atexit``, ...).
     ``preceded_by``: a line of the same file within the 200 lines before the event.
     """
 
@@ -205,6 +206,7 @@ class ExceptionMatch:
     method: str | None = None
     actor: str | None = None
     wrapper: tuple[str, ...] = ()
+    not_wrapper: tuple[str, ...] = ()
     preceded_by: str | None = None
 
     def regexes(self) -> list[str]:
@@ -602,7 +604,7 @@ def _exception_match(value: Any, where: str) -> ExceptionMatch | None:
         return None
     if not isinstance(value, dict) or not value or set(value) - EXCEPTION_KEYS:
         raise SignatureError(f"{where}: `exception` is a non-empty mapping with keys from {sorted(EXCEPTION_KEYS)}")
-    lists = {"raised_in", "not_raised_in", "kind", "signal", "wrapper"}
+    lists = {"raised_in", "not_raised_in", "kind", "signal", "wrapper", "not_wrapper"}
     kw = {}
     for k, v in value.items():
         if k in lists:

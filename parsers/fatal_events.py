@@ -71,7 +71,7 @@ FATAL_EVENTS = Table(
         col("message", pa.string(), "Message of the root exception (with its indented continuation lines), or the fatal text."),
         col("outer_type", pa.string(), "Type of the last exception of the chain (what the process finally raised), when it differs from the root's."),
         col("outer_message", pa.string(), "Message of that last exception."),
-        col("wrapper", pa.string(), "A wrapper the failure was reported through: `RayTaskError`, `ActorDiedError`, `RayActorError`, `ChildFailedError`, `hydra`, `debugger`, `EngineDeadError`, ... (null: none)."),
+        col("wrapper", pa.string(), "A wrapper the failure was reported through: `RayTaskError`, `ActorDiedError`, `RayActorError`, `ChildFailedError`, `hydra`, `debugger`, `EngineDeadError`, ...; or how Python reported an exception it did not raise further: `ignored` (`Exception ignored in`, at garbage collection or exit), `atexit`, `thread` (a thread other than the main one), `asyncio` (null: none)."),
         col("wrapped_type", pa.string(), "The exception type a Ray wrapper names (`RayTaskError(KeyError)` -> `KeyError`)."),
         col("types", pa.list_(pa.string()), "Every exception type of the event in print order (root first), wrappers and wrapped types included."),
         col("chain", pa.list_(CHAIN_TYPE), "The exceptions of the event in print order: type, message, line, and how each relates to the one before (`cause`, `context`, `remote`, null for the first)."),
@@ -123,6 +123,13 @@ _UNHANDLED = re.compile(r"Unhandled exception: (?P<type>\S+?)\.? what: (?P<msg>.
 _CPP_STACK = re.compile(r"^\*\*\* (?:StackTrace Information|Check failure stack trace:) \*\*\*\s*$|^Exception raised from .* \(most recent call first\):\s*$")
 _CPP_FRAME = re.compile(r"^\s*frame #\d+: |^\s+\S.*(?:\(\)|\+0x[0-9a-f]+\)?|\) \[0x[0-9a-f]+\])\s*$|^\s+(?:main|__libc_start_main|_start|clone)\s*$")
 _HYDRA = re.compile(r"^Error executing job with overrides: ")
+# an exception Python (or asyncio, or a thread) reports and goes on: at garbage collection or
+# interpreter exit, in an atexit hook, in a thread that is not the main one
+_REPORTED = re.compile(r"^(?P<what>Exception ignored in|Error in atexit\._run_exitfuncs|Exception in thread|"
+                       r"Task exception was never retrieved|Exception in callback)\b")
+_REPORTED_WRAPPER = {"Exception ignored in": "ignored", "Error in atexit._run_exitfuncs": "atexit",
+                     "Exception in thread": "thread", "Task exception was never retrieved": "asyncio",
+                     "Exception in callback": "asyncio"}
 _DEBUGGER = re.compile(r"^(?:Exception has occurred|发生异常|例外が発生しました): (?P<type>[\w.]+)")
 _EXIT = re.compile(
     r"(?:exit(?:ed)? with (?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
@@ -134,6 +141,7 @@ _SIGNAL_EXIT = re.compile(r"Signal (?P<num>\d+) \((?P<sig>SIG[A-Z]+)\) received"
 _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During handling of the above|File \"|"
            r"\*\*\* SIG|Fatal Python error|terminate called after throwing|Unhandled exception: |^\s*what\(\):|"
            r"StackTrace Information|Check failure stack trace|Error executing job with overrides|"
+           r"^Exception ignored in|^Error in atexit|^Exception in thread|^Task exception was never retrieved|^Exception in callback|"
            r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
            r"exit(?:ed)? with (?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
@@ -415,7 +423,7 @@ def _set_exception(ev: _Event, part: _Part, e: re.Match, row: int) -> None:
     wrapped = e.group("wrapped")
     msg = e.group("msg")
     short = _short(t)
-    if short in _WRAPPER_TYPES and ev.wrapper in (None, "hydra", "ray_task", "debugger"):
+    if short in _WRAPPER_TYPES and ev.wrapper in (None, "hydra", "ray_task", "debugger"):  # not over a reported-and-survived one
         ev.wrapper = short  # the wrapper that carries the failure, over the job runner's report
     if short == "RayTaskError" or "ray::" in (msg or ""):
         task = _ray_task(msg or "")
@@ -541,6 +549,24 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
         ev = _Event("python", k)
         ev.part()
         return ev, _python_event(st, k, ev)
+    rep = _REPORTED.match(m)
+    if rep:
+        # the report's first line, then its traceback (or, for `Exception ignored in`, the
+        # exception line alone)
+        ev = _Event("python", k)
+        ev.wrapper = _REPORTED_WRAPPER[rep.group("what")]
+        ev.part()
+        ev.last = k
+        j = k + 1
+        if j < len(st.rows) and _TB_HEAD.search(st.msg(j)):
+            return ev, _python_event(st, j, ev)
+        if j < len(st.rows):
+            e = _EXC_STRICT.match(st.msg(j))
+            if e and _plausible_type(e.group("type")):
+                _set_exception(ev, ev.parts[-1], e, st.rows[j])
+                ev.last = j
+                return ev, _python_event(st, j + 1, ev, "message")
+        return None, k + 1
     h = _HYDRA.match(m)
     if h:
         ev = _Event("python", k)

@@ -360,3 +360,19 @@ def test_watchdog_text_seen_only_from_what():
         ''')
     assert (e["kind"], e["exc_type"], e["cut_off"]) == ("cpp", "unknown", True)
     assert "Watchdog caught collective operation timeout" in e["message"]
+
+
+def test_exceptions_python_reports_and_survives_are_marked():
+    _, ev = _parse('''
+        Exception ignored in: <function Engine.__del__ at 0x7f2a1c0d9b40>
+        Traceback (most recent call last):
+          File "/env/site-packages/vllm/engine.py", line 221, in __del__
+            self.shutdown()
+        AttributeError: 'Engine' object has no attribute 'handler'
+        Error in atexit._run_exitfuncs:
+        Traceback (most recent call last):
+          File "/env/site-packages/wandb/sdk/wandb_run.py", line 80, in _atexit
+            self.finish()
+        BrokenPipeError: [Errno 32] Broken pipe
+        ''')
+    assert ev.select("line_no", "wrapper", "exc_type").rows() == [(1, "ignored", "AttributeError"), (6, "atexit", "BrokenPipeError")]

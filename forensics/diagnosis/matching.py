@@ -191,6 +191,8 @@ def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | 
         return False
     if m.wrapper and e.get("wrapper") not in m.wrapper:
         return False
+    if m.not_wrapper and e.get("wrapper") in m.not_wrapper:
+        return False
     if m.method and not re.search(m.method, e.get("ray_method") or ""):
         return False
     if m.actor and not any(re.search(m.actor, a) for a in (e.get("ray_actor"), e.get("actor")) if a):
