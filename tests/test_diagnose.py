@@ -40,7 +40,9 @@ def test_fixture_bundle(diagnosed, name):
     top = d.root_causes[0] if d.root_causes else None
     got = top.id if top else "healthy"
     assert got == want["root_cause"], dg.render(d)
-    assert d.verdict == ("healthy" if want["root_cause"] == "healthy" else "failed")
+    assert d.verdict == want.get("verdict", "healthy" if want["root_cause"] == "healthy" else "failed"), dg.render(d)
+    if "diagnosis_notes_contain" in want:
+        assert any(want["diagnosis_notes_contain"] in n for n in d.notes), d.notes
     if top is None:
         for fid in want.get("findings_include", []):
             assert fid in {f.id for f in d.findings}, d.findings
@@ -56,6 +58,8 @@ def test_fixture_bundle(diagnosed, name):
         assert (e.file, e.line) == (want["evidence"]["file"], want["evidence"]["line"]), dg.render(d)
     for s in want.get("symptoms_include", []):
         assert s in top.symptoms
+    if "summary_contains" in want:
+        assert want["summary_contains"] in top.summary, top.summary
     if "remediation_contains" in want:
         assert any(want["remediation_contains"] in r for r in top.remediation), top.remediation
     if "notes_contain" in want:

@@ -99,6 +99,7 @@ def run(ctx: Context) -> Diagnosis:
         raise NothingToDiagnose("the database holds no log lines and no metrics: ingest the run's logs first")
     ensure_views(con)
     hits = matching.line_hits(con, ctx.cat) + matching.event_hits(con, ctx.cat)
+    hits = matching.drop_survived(hits, matching.survived_events(con))
     facts = RunFacts(con, ctx.cat)
     placement.attach_task_pids(ctx, hits)
     placement.attach_bodies(ctx, hits)

@@ -154,6 +154,9 @@ EVENT_COLUMNS = ("file_id", "line_no", "last_line", "exc_line", "kind", "exc_typ
                  "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "user_frame", "signal",
                  "ray_actor", "ray_method", "ray_pid", "actor")
 QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")  # a traceback logged at these levels was handled
+# how fatal_events marks an exception Python reported and went on from (at garbage
+# collection or exit, in an asyncio task nobody awaited): not a failure of the run
+SURVIVED = ("ignored", "atexit", "asyncio")
 
 
 def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | None = None) -> bool:
@@ -233,6 +236,8 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
         for r in rules:
             if r.generic and (e["level"] in QUIET_LEVELS):
                 continue  # logged and survived: not an exception that ended anything
+            if e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper:
+                continue
             if not event_matches(r.exception, e, preceded):
                 continue
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
@@ -247,6 +252,19 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
             out.append(h)
     return out
+
+
+def survived_events(con: duckdb.DuckDBPyConnection) -> set[tuple[int, int]]:
+    """(file_id, first line) of the fatal events Python reported and went on from."""
+    return set(con.execute(
+        f"SELECT file_id, line_no FROM fatal_events WHERE wrapper IN ({', '.join(sql_str(w) for w in SURVIVED)})").fetchall())
+
+
+def drop_survived(hits: list[Hit], survived: set[tuple[int, int]]) -> list[Hit]:
+    """A line rule's cause or fallback on a line of such an event is no failure either (an
+    engine's __del__ failing at interpreter exit)."""
+    return [h for h in hits if h.rule.role not in ("cause", "fallback") or h.event_line is None
+            or (h.file_id, h.event_line) not in survived or (h.rule.exception is not None and h.event is not None)]
 
 
 def drop_explained_generic(hits: list[Hit]) -> list[Hit]:
