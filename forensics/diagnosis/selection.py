@@ -114,11 +114,11 @@ def compare(a: Event, b: Event) -> int:
     """Earlier first (see :func:`order_key`); at the same time, file order decides within
     one file (the earlier line happened first), the more specific line across files."""
     ka, kb = order_key(a)[:4], order_key(b)[:4]
+    oa, ob = a.origin, b.origin
+    if ka[:2] == kb[:2] and oa.path == ob.path and oa.line_no != ob.line_no:
+        return -1 if (oa.line_no or 0) < (ob.line_no or 0) else 1  # one file, one moment: the earlier line
     if ka != kb:
         return -1 if ka < kb else 1
-    oa, ob = a.origin, b.origin
-    if oa.path == ob.path and oa.line_no != ob.line_no:
-        return -1 if (oa.line_no or 0) < (ob.line_no or 0) else 1
     ra, rb = order_key(a)[4:], order_key(b)[4:]
     return (ra > rb) - (ra < rb)
 
