@@ -71,7 +71,11 @@ ROLES = {
     "finding": "a performance or health finding that is not a failure",
 }
 PHASES = ("rollout", "reward", "train", "sync", "init", "other")
-GROUP_NAMES = {"rank", "pid", "gpu", "node", "seq", "optype", "timeout_ms", "ran_ms", "method", "ranks", "detail", "exc", "what", "step"}
+# extract groups: `rank` / `ranks` name another process's rank (the lagging one of a desync
+# report); `own_rank` is the rank the printing process gives itself, which may be its rank
+# within a sub-group: the global rank of a `[rankN]:` line prefix wins over it
+GROUP_NAMES = {"rank", "own_rank", "pid", "gpu", "node", "seq", "optype", "timeout_ms", "ran_ms", "method", "ranks", "detail",
+               "exc", "what", "step"}
 
 RULE_KEYS = {
     "id", "class", "role", "weight", "title", "patterns", "keywords", "negative", "where",

@@ -112,6 +112,8 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
             # an NCCL header prints the local device, not the rank: the parser filled the
             # rank from the process's communicator lines
             h.rank_source = "pid" if h.header == "nccl" else "line"
+        elif h.groups.get("own_rank", "").isdigit():
+            h.rank, h.rank_source = int(h.groups["own_rank"]), "text"
         else:
             m = re.search(r"\[[Rr]ank[ _]?(\d+)\]", h.message)
             if m:
