@@ -49,7 +49,7 @@ def run(run_db):
 
 
 def test_open_is_read_only_and_needs_a_database(run, tmp_path):
-    with pytest.raises(FileNotFoundError, match="forensics ingest"):
+    with pytest.raises(forensics.api.ForensicsError, match="forensics ingest"):
         forensics.open(tmp_path / "missing.duckdb")
     with pytest.raises(Exception, match="read-only"):
         run.sql("CREATE TABLE x (a INTEGER)")

@@ -130,6 +130,13 @@ def test_python_equivalents_name_the_public_api():
     public = sorted(n for n in vars(Run) if not n.startswith("_") and callable(getattr(Run, n)))
     missing = [n for n in public if f"run.{n}(" not in python]
     assert not missing, f"docs/cli.md, Python equivalents: Run methods not mentioned: {missing}"
+    import inspect
+
+    from forensics import api
+
+    functions = [n for n, f in vars(api).items() if inspect.isfunction(f) and f.__module__ == api.__name__ and not n.startswith("_")]
+    missing = [n for n in functions if f"api.{n}(" not in python and f"forensics.{n}(" not in python]
+    assert not missing, f"docs/cli.md, Python equivalents: forensics.api functions not mentioned: {missing}"
 
 
 def test_schema_doc_is_current():
