@@ -74,9 +74,11 @@ class Run:
         return [r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
 
     def views(self) -> list[str]:
-        """Names of the analysis views (``forensics/sql/*.sql``, documented in docs/schema.md)."""
+        """Names of the analysis views (``forensics/sql/*.sql``, documented in docs/schema.md),
+        sorted; the modules' helpers (``_name``) are not for users and are left out."""
         return [r[0] for r in self.con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' ORDER BY 1").fetchall()]
+            "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' "
+            "AND NOT starts_with(table_name, '_') ORDER BY 1").fetchall()]
 
     def metrics(self, wide: bool = True, keys: list[str] | None = None) -> pl.DataFrame:
         """Training metrics per step (view ``step_metrics``: one value per step and key).

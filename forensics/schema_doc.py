@@ -55,7 +55,9 @@ def render() -> str:
             parts.append(f"| `{c.name}` | {_duck_type(c.type)} | {_escape(c.doc)} |\n")
     mods = [m for m in sql_modules.modules() if m.public]
     if mods:
-        parts.append("\n## Views\n\nAnalyses ship as SQL modules in `forensics/sql/`, one file each; read them, reuse them.\n")
+        parts.append("\n## Views\n\nAnalyses ship as SQL modules in `forensics/sql/`, one file each; read them, reuse them. "
+                     "Relations whose names start with `_` are the modules' helpers, not for users: they are not listed here "
+                     "and may change in any version.\n")
         columns = view_columns()
         for m in mods:
             parts.append(f"\n### from `{m.name}.sql`\n\n{m.doc}\n")

@@ -3,7 +3,8 @@ the diagnosis.
 
 Each ``*.sql`` file is one module: a leading ``--`` comment block that documents its public
 relations (docs/schema.md is made from it), then the statements that create them. Its
-header names every relation the module reads and does not create itself, tables included::
+header names every relation (table, view, macro) the module reads and does not create
+itself::
 
     -- depends: lines, files, _phase_trace
 
@@ -30,6 +31,11 @@ import duckdb
 
 # Answers the hash of the modules that created a database's relations (see ensure()).
 VERSION_MACRO = "_sql_modules_version"
+# What the modules of earlier versions made and these do not: dropped when a database is
+# brought up to date (create()), so that an old helper does not linger among the views.
+RETIRED_VIEWS = ("phase_trace", "phase_engine", "phase_log_markers", "phase_kineto_segments",
+                 "phase_gpu_islands", "phase_collective_matches")
+RETIRED_MACROS = ("phase_setting", "phase_rule_priority", "phase_gpu_category", "phase_views_version")
 
 _DEPENDS = re.compile(r"^--\s*depends:(.*)$", re.M)
 _CREATES = re.compile(
@@ -38,8 +44,9 @@ _VIEW = re.compile(r"^CREATE OR REPLACE VIEW (\w+) AS\s", re.M)
 
 
 class SqlModuleError(ValueError):
-    """The SQL modules cannot be put in order: a module depends on a relation that no module
-    creates and no table is called, or modules depend on each other in a cycle."""
+    """The SQL modules cannot be put in order or created: modules that depend on each other
+    in a cycle, two modules that create the same name, or a dependency that no module
+    creates and the database has no table of."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,7 @@ class Module:
 
 
 def parse(name: str, sql: str) -> Module:
+    """The module ``name`` (its file name without .sql) of text ``sql``."""
     depends: list[str] = []
     for m in _DEPENDS.finditer(sql):
         depends += [d for d in re.split(r"[\s,]+", m.group(1)) if d]
@@ -212,7 +220,8 @@ def _check_tables(con: duckdb.DuckDBPyConnection, mods: list[Module], everything
 
 
 def create(con: duckdb.DuckDBPyConnection, mods: list[Module] | None = None, temp: bool = False) -> None:
-    """Run the modules on ``con`` (default: all of them, and then record their version).
+    """Run the modules on ``con`` (default: all of them; then what older versions made and
+    these do not is dropped, and their version recorded).
 
     ``temp``: as TEMP views and macros, which shadow the stored ones for this connection only
     (a read-only connection can make nothing else). A table a module creates ``IF NOT
@@ -235,6 +244,16 @@ def create(con: duckdb.DuckDBPyConnection, mods: list[Module] | None = None, tem
                         .replace("CREATE OR REPLACE MACRO", "CREATE OR REPLACE TEMP MACRO"))
             con.execute(stmt).fetchall()
     if whole and not temp:
+        # only views and macros of those names: a user's table of such a name stays
+        for (view,) in con.execute(
+                "SELECT view_name FROM duckdb_views() WHERE NOT temporary AND schema_name = 'main' "
+                "AND database_name = current_database() AND list_contains(?, view_name)", [list(RETIRED_VIEWS)]).fetchall():
+            con.execute(f"DROP VIEW main.{view}").fetchall()
+        for (macro,) in con.execute(
+                "SELECT DISTINCT function_name FROM duckdb_functions() WHERE function_type = 'macro' AND NOT internal "
+                "AND schema_name = 'main' AND database_name = current_database() AND list_contains(?, function_name)",
+                [list(RETIRED_MACROS)]).fetchall():
+            con.execute(f"DROP MACRO main.{macro}").fetchall()
         con.execute(f"CREATE OR REPLACE MACRO {VERSION_MACRO}() AS '{version(everything)}'").fetchall()
 
 

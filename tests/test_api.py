@@ -107,6 +107,8 @@ def test_question_views_exist_on_an_empty_database(tmp_path):
     forensics.open(db, write=True).close()
     with forensics.open(db) as r:
         views = r.views()
+        assert views and not [v for v in views if v.startswith("_")], "run.views() lists the modules' helpers"
+        assert "_phase_trace" in r.tables()
         for view in ["error_lines", "errors_by_rank", "last_lines", "last_lines_before_error", "step_metrics",
                      "metrics_by_step", "collectives_by_rank", "kernel_time_by_phase", "top_kernels_by_phase"]:
             assert view in views

@@ -156,6 +156,30 @@ def test_a_changed_module_makes_a_new_template(tmp_path, monkeypatch):
     assert Path(store.template_path()).exists()
 
 
+def test_bringing_a_database_up_to_date_drops_retired_helpers(tmp_path):
+    """An earlier version's helper views and macros (public names then) go when a writable
+    store updates the database; a user's table of such a name stays."""
+    db = tmp_path / "old.duckdb"
+    store.Store(db).close()
+    con = duckdb.connect(str(db))
+    con.execute("CREATE VIEW phase_trace AS SELECT 1 AS x").fetchall()
+    con.execute("CREATE MACRO phase_setting(k) AS k").fetchall()
+    con.execute("CREATE TABLE phase_engine (mine INTEGER)").fetchall()
+    con.execute(f"CREATE OR REPLACE MACRO {sql_modules.VERSION_MACRO}() AS 'older'").fetchall()
+    con.execute("UPDATE meta SET value = 'older' WHERE key = 'schema_fingerprint'").fetchall()
+    con.close()
+    s = store.Store(db)
+    try:
+        views = {r[0] for r in s.con.execute("SELECT view_name FROM duckdb_views()").fetchall()}
+        macros = {r[0] for r in s.con.execute("SELECT function_name FROM duckdb_functions() WHERE function_type = 'macro'").fetchall()}
+        assert "phase_trace" not in views and "_phase_trace" in views
+        assert "phase_setting" not in macros and "_phase_setting" in macros
+        assert s.con.execute("SELECT count(*) FROM phase_engine").fetchone() == (0,)
+        assert sql_modules.current(s.con)
+    finally:
+        s.close()
+
+
 def test_a_database_of_another_version_gets_temp_stand_ins_once(tmp_path):
     """Read-only, a database whose relations another version made gets this version's as
     TEMP views, made once per connection for what is asked, and more when more is asked."""
