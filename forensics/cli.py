@@ -48,6 +48,8 @@ class _HelpWithoutTypes:
 
     def get_params(self, ctx):
         params = super().get_params(ctx)
+        # typer makes the parameters itself, with no say in their class: they take the
+        # subclass here, where the help (and the parser) ask for them
         for p in params:
             if type(p) is TyperArgument:
                 p.__class__ = _ArgumentWithoutType
