@@ -1,31 +1,69 @@
-"""The Python API the command line is a thin layer over."""
+"""The Python API: everything the command line does is one call here, the same call a
+notebook makes (docs/cli.md, "Python equivalents").
+
+* one function per command, taking the database path as the command's ``--db`` does:
+  :func:`ingest`, :func:`diagnose`, :func:`report`, :func:`query`, :func:`export`,
+  :func:`catalogue` (``forensics signatures``) and :func:`evaluate`;
+* :class:`Run`, an opened database (:func:`open`, or what :func:`ingest` returns), for
+  the questions a notebook asks one after the other on one connection.
+
+A problem the user can fix (no database at the path, a file that is not a DuckDB
+database, a database another process writes, a bad signature folder, a setting DuckDB
+refuses, an output that cannot be written, an SQL error) is raised as
+:class:`ForensicsError`, its message in words; anything else is a bug of ours.
+"""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import duckdb
 import polars as pl
 
-from . import export, pipeline
+from . import export as export_mod
 from . import phases as phases_mod
-from .store import Store
+from . import pipeline
+from .store import DB_MEMORY, SettingError, Store, StoreError, set_memory_limit
+
+if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a second of imports
+    from .catalogue import Catalogue
+    from .diagnose import Diagnosis
+    from .evaluate import EvalReport
+    from .report import ReportResult
+
+
+class ForensicsError(Exception):
+    """A problem the user can fix; the message says what it is, and what to do where that
+    is not obvious. The command line prints it as one ``error:`` line and exits with
+    status 2. The exception it stands for, if any, is its ``__cause__``."""
+
+
+def _no_database(db: str | os.PathLike) -> ForensicsError:
+    return ForensicsError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
 
 
 class Run:
-    """An ingested run: a DuckDB database opened read-only unless ``write=True``."""
+    """An ingested run: a DuckDB database opened read-only unless ``write=True`` (a
+    database that does not exist yet is then created)."""
 
     def __init__(self, db: str | os.PathLike = "forensics.duckdb", write: bool = False):
         if not write and not os.path.exists(db):
-            raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
+            raise _no_database(db)
         self.db = str(db)
-        self.store = Store(self.db, read_only=not write)
+        try:
+            self.store = Store(self.db, read_only=not write)
+        except StoreError as exc:  # in use by an ingest, not a DuckDB file, unwritable folder
+            raise ForensicsError(str(exc)) from exc
         self.con = self.store.con
         self.last_ingest: pipeline.IngestSummary | None = None
         phases_mod.attach(self.con)  # phase rules (signatures/phases.yaml) for the phase views
 
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
-        """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas)."""
+        """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas). DuckDB's
+        own errors (syntax, unknown table, ...) come as they are; :func:`query` turns
+        them into :class:`ForensicsError`."""
         rel = self.con.sql(query, params=params) if params else self.con.sql(query)
         if rel is None:  # a statement without a result (DDL, INSERT, ...)
             return pl.DataFrame()
@@ -36,9 +74,11 @@ class Run:
         return [r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables ORDER BY 1").fetchall()]
 
     def views(self) -> list[str]:
-        """Names of the analysis views (``forensics/sql/*.sql``, documented in docs/schema.md)."""
+        """Names of the analysis views (``forensics/sql/*.sql``, documented in docs/schema.md),
+        sorted; the modules' helpers (``_name``) are not for users and are left out."""
         return [r[0] for r in self.con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' ORDER BY 1").fetchall()]
+            "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' "
+            "AND NOT starts_with(table_name, '_') ORDER BY 1").fetchall()]
 
     def metrics(self, wide: bool = True, keys: list[str] | None = None) -> pl.DataFrame:
         """Training metrics per step (view ``step_metrics``: one value per step and key).
@@ -72,17 +112,17 @@ class Run:
 
     def export_parquet(self, out_dir: str | os.PathLike, tables: list[str] | None = None) -> dict[str, int]:
         """Write every table (or ``tables``) as ``<out_dir>/<table>.parquet``; returns rows per table."""
-        return export.parquet(self.con, out_dir, tables)
+        return export_mod.parquet(self.con, out_dir, tables)
 
     def export_chrome_trace(
         self,
         path: str | os.PathLike,
         categories: list[str] | tuple[str, ...] | None = None,
-    ) -> export.ChromeTraceSummary:
+    ) -> export_mod.ChromeTraceSummary:
         """Write one merged Chrome/Perfetto trace of all ranks (phase spans, kernels,
         annotations, warning/error log lines) to ``path``; see :func:`forensics.export.chrome_trace`.
         ``categories``: ``trace_events.category`` values to include (None: the defaults)."""
-        return export.chrome_trace(self.con, path, categories=categories or export.DEFAULT_CATEGORIES)
+        return export_mod.chrome_trace(self.con, path, categories=categories or export_mod.DEFAULT_CATEGORIES)
 
     def phases(self) -> pl.DataFrame:
         """Seconds per (rank, step, phase, sub_phase) with their source (view ``phases``)."""
@@ -103,19 +143,34 @@ class Run:
 
         return findings_mod.findings(self.con)
 
-    def report(self, path: str | os.PathLike = "report.html", title: str | None = None):
+    def report(self, path: str | os.PathLike = "report.html", title: str | None = None) -> "ReportResult":
         """Write the self-contained post-mortem HTML to ``path``; returns a ``report.ReportResult``."""
         from . import report as report_mod
 
         return report_mod.write_report_con(self.con, path, title or f"forensics post-mortem: {os.path.basename(self.db)}")
 
-    def diagnose(self, signatures: list[str] | tuple[str, ...] = ()):
+    def diagnose(self, signatures: list[str] | tuple[str, ...] = ()) -> "Diagnosis":
         """Root cause, cascade and remediation of the run (a ``forensics.diagnose.Diagnosis``;
         ``.to_dict()`` is the ``forensics diagnose --json`` object). ``signatures``: folders of
         extra rule files."""
         from . import diagnose as dg
 
         return dg.diagnose(signature_dirs=signatures, con=self.con)
+
+    def headline(self) -> str | None:
+        """The diagnosis in one line (what ``forensics ingest`` prints after ``diagnosis:``),
+        without the performance findings; ``nothing to diagnose (...)`` for a database
+        without log lines, None when this installation has no diagnosis. Runs under the
+        diagnosis' memory limit (``FORENSICS_DB_MEMORY``, as ``forensics diagnose``)."""
+        try:
+            from . import diagnose as dg
+        except ImportError:
+            return None
+        try:
+            with _memory_limit(self.con, DB_MEMORY):
+                return dg.diagnose(con=self.con, performance=False).headline()
+        except dg.NothingToDiagnose as exc:
+            return f"nothing to diagnose ({exc})"
 
     def close(self) -> None:
         """Close the database (a ``with forensics.open(...) as run:`` block does it for you)."""
@@ -128,10 +183,25 @@ class Run:
         self.close()
 
 
+@contextlib.contextmanager
+def _memory_limit(con: duckdb.DuckDBPyConnection, default: str):
+    """``FORENSICS_DB_MEMORY`` (else ``default``) as DuckDB's memory limit for the block,
+    the connection's own limit again after it. DuckDB would otherwise cache up to 80% of
+    RAM while the diagnosis scans every line (store.DB_MEMORY says what was measured)."""
+    before = con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
+    set_memory_limit(con, default)
+    try:
+        yield
+    finally:
+        con.execute("SET memory_limit = ?", [before])
+
+
 def open(db: str | os.PathLike = "forensics.duckdb", write: bool = False) -> Run:  # noqa: A001
-    """Open an ingested database (read-only by default)."""
+    """Open an ingested database (read-only by default); ``forensics --db FILE``."""
     return Run(db, write=write)
 
+
+# -- one function per command ---------------------------------------------------------------
 
 def ingest(
     paths: str | os.PathLike | list,
@@ -141,13 +211,155 @@ def ingest(
     debug: bool = False,
     exclude: list[str] | None = None,
 ) -> Run:
-    """Ingest folders / files / bundles into ``db`` and return the opened :class:`Run`."""
+    """Ingest folders / files / bundles into ``db`` (``forensics ingest``) and return the
+    database opened read-only; ``run.last_ingest`` is the summary (files by format, rows
+    per table, problems), ``run.headline()`` the diagnosis in one line.
+
+    ``workers``: parser processes (None: one per core); ``progress(done, total, path)``
+    is called as files are loaded; ``exclude``: globs of files not to read; ``debug``:
+    a parser's bug is reported with its traceback. Ctrl-C stops it as
+    ``KeyboardInterrupt``, with the files loaded so far committed."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude)
+    try:
+        summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude)
+    except (StoreError, pipeline.IngestError) as exc:
+        raise ForensicsError(str(exc)) from exc
+    except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
+        if debug:
+            raise
+        raise ForensicsError(f"cannot write the database {db}: {exc}") from exc
     run = Run(db)
     run.last_ingest = summary
     return run
+
+
+def query(db: str | os.PathLike, sql: str, write: bool = False) -> pl.DataFrame:
+    """Run one SQL statement on ``db`` (``forensics query``) and return its result;
+    read-only unless ``write``. An error of the statement is a :class:`ForensicsError`
+    naming DuckDB's exception (``ParserException: ...``)."""
+    run = Run(db, write=write)
+    try:
+        return run.sql(sql)
+    except Exception as exc:  # duckdb errors: syntax, missing table, ...; and what polars cannot convert
+        raise ForensicsError(f"{exc.__class__.__name__}: {exc}") from exc
+    finally:
+        run.close()
+
+
+def export(
+    db: str | os.PathLike,
+    parquet: str | os.PathLike | None = None,
+    chrome_trace: str | os.PathLike | None = None,
+    categories: list[str] | tuple[str, ...] | None = None,
+) -> dict:
+    """Export ``db`` (``forensics export``): one ``<table>.parquet`` per table into the
+    folder ``parquet``, and/or one Chrome/Perfetto trace of the whole run to the file
+    ``chrome_trace`` (``categories``: the profiler categories to put in it; None: the
+    defaults). Returns what was written, the object ``forensics export --json`` prints:
+    ``{"db", "parquet": {"dir", "tables": {table: rows}}, "chrome_trace": {...}}``."""
+    if not parquet and not chrome_trace:
+        raise ForensicsError("nothing to export: give --parquet DIR and/or --chrome-trace FILE.json")
+    run = Run(db)
+    written: dict = {"db": str(db)}
+    try:
+        if parquet:
+            written["parquet"] = {"dir": str(parquet), "tables": run.export_parquet(parquet)}
+        if chrome_trace:
+            written["chrome_trace"] = run.export_chrome_trace(chrome_trace, categories=categories or None).to_dict()
+    except (OSError, duckdb.IOException) as exc:  # cannot write there: a user error, not a bug
+        raise ForensicsError(f"cannot write: {exc}") from exc
+    finally:
+        run.close()
+    return written
+
+
+def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", title: str | None = None) -> "ReportResult":
+    """Write the self-contained post-mortem HTML of ``db`` to ``output`` (``forensics
+    report``; ``title`` default: the database name); returns a ``report.ReportResult``
+    (``path``, ``bytes``, ``seconds``, ``notes``). Reads with DuckDB's memory limit of
+    ``FORENSICS_DB_MEMORY`` (default 512MB)."""
+    from . import report as report_mod
+
+    if not os.path.exists(db):
+        raise _no_database(db)
+    try:
+        return report_mod.write_report(db, output, title)
+    except duckdb.IOException as exc:  # locked or unreadable database
+        raise ForensicsError(f"cannot read {db}: {exc}") from exc
+    except SettingError as exc:
+        raise ForensicsError(str(exc)) from exc
+    except OSError as exc:  # cannot write the output
+        raise ForensicsError(f"cannot write {output}: {exc}") from exc
+
+
+def diagnose(db: str | os.PathLike, signatures: Iterable[str] = ()) -> "Diagnosis":
+    """Diagnose the run(s) in ``db`` (``forensics diagnose``): a ``diagnose.Diagnosis``
+    whose ``.to_dict()`` is the ``--json`` object of ../shared/contract.md and which
+    :func:`render_diagnosis` writes as text. ``signatures``: folders of extra rule files.
+    Reads with DuckDB's memory limit of ``FORENSICS_DB_MEMORY`` (default 256MB)."""
+    from . import catalogue as sig
+    from . import diagnose as dg
+
+    if not os.path.exists(db):
+        raise _no_database(db)
+    try:
+        return dg.diagnose(db, list(signatures))
+    except sig.SignatureError as exc:
+        raise ForensicsError(f"signature catalogue: {exc}") from exc
+    except dg.NothingToDiagnose as exc:
+        raise ForensicsError(str(exc)) from exc
+    except duckdb.IOException as exc:  # locked or unreadable database
+        raise ForensicsError(f"cannot read {db}: {exc}") from exc
+    except SettingError as exc:
+        raise ForensicsError(str(exc)) from exc
+
+
+def render_diagnosis(diagnosis: "Diagnosis", verbose: bool = False) -> str:
+    """A diagnosis as the text ``forensics diagnose`` prints (``verbose``: every evidence
+    line of every root cause)."""
+    from . import diagnose as dg
+
+    return dg.render(diagnosis, verbose=verbose)
+
+
+def catalogue(signatures: Iterable[str] = (), check: bool = False) -> "Catalogue":
+    """The signature catalogue (``forensics signatures``): the built-in rules and those
+    of the folders ``signatures``, which override built-in rules of the same id; a
+    ``catalogue.Catalogue`` (``rules``, ``classes``, ``metric_detectors``, ``sources``).
+    ``check``: also compile every pattern with DuckDB's regex engine (RE2)."""
+    from . import catalogue as sig
+
+    try:
+        cat = sig.load(list(signatures))
+        if check:
+            sig.check_with_duckdb(cat)
+    except sig.SignatureError as exc:
+        raise ForensicsError(str(exc)) from exc
+    return cat
+
+
+def evaluate(corpus_dir: str | os.PathLike, work: str | os.PathLike | None = None, signatures: Iterable[str] = ()) -> "EvalReport":
+    """Ingest every labelled bundle under ``corpus_dir`` (each folder with a label.json),
+    diagnose it and score the diagnosis against its label (``forensics evaluate``); an
+    ``evaluate.EvalReport`` (``.to_dict()`` is the ``--json`` object, :func:`render_evaluation`
+    the text). ``work``: where the per-bundle databases are kept (default: a temporary folder)."""
+    from . import catalogue as sig
+    from . import evaluate as ev
+
+    try:
+        return ev.evaluate(corpus_dir, work_dir=work, signature_dirs=list(signatures))
+    except FileNotFoundError as exc:  # no corpus folder there
+        raise ForensicsError(str(exc)) from exc
+    except sig.SignatureError as exc:
+        raise ForensicsError(f"signature catalogue: {exc}") from exc
+
+
+def render_evaluation(report: "EvalReport") -> str:
+    """An evaluation as the text ``forensics evaluate`` prints: one line per bundle, then the scores."""
+    from . import evaluate as ev
+
+    return ev.render(report)
 
 
 _ = builtins  # keep the builtin ``open`` reachable for readers of this module

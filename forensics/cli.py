@@ -1,40 +1,100 @@
 """The ``forensics`` command line (see docs/cli.md and ../shared/contract.md).
 
-Every command is a thin layer over :mod:`forensics.api`.
+Every command parses its arguments, makes one call of :mod:`forensics.api` (the call a
+notebook makes) and formats what it returns. A :class:`forensics.api.ForensicsError`
+from any command is printed as one ``error:`` line with exit status 2, in one place
+(:meth:`_Group.invoke`); Ctrl-C ends a command with status 130; anything else is an
+internal error (status 1, its traceback with ``--debug``).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
 import sys
+import traceback
 from typing import List, Optional
 
-import duckdb
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table as RichTable
 from rich.text import Text
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from . import pipeline
-from .store import SettingError, StoreError, StoreLocked
+from . import __version__, api
+
+
+class _ArgumentWithoutType(TyperArgument):
+    def display_type(self, ctx):
+        return None
+
+
+class _OptionWithoutType(TyperOption):
+    def display_type(self, ctx):
+        return None
+
+
+class _HelpWithoutTypes:
+    """typer's help shows the Python type of every parameter (``--db <str>``, ``--json
+    <bool>``, ``PATHS <list[str]>``), which tells a user nothing. Our parameters name
+    their value instead (``metavar``: FILE, N, GLOB, ... as docs/cli.md writes them) and
+    a flag, ours or typer's (``--help``, ``--install-completion``), takes no value: the
+    parameters of our commands are typer's, less the type (``display_type``)."""
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        # typer makes the parameters itself, with no say in their class: they take the
+        # subclass here, where the help (and the parser) ask for them
+        for p in params:
+            if type(p) is TyperArgument:
+                p.__class__ = _ArgumentWithoutType
+            elif type(p) is TyperOption:
+                p.__class__ = _OptionWithoutType
+        return params
+
+
+class _Command(_HelpWithoutTypes, TyperCommand):
+    pass
+
+
+class _Group(_HelpWithoutTypes, TyperGroup):
+    def invoke(self, ctx):
+        """Run the command; a user error becomes one ``error:`` line and exit status 2."""
+        try:
+            return super().invoke(ctx)
+        except api.ForensicsError as exc:
+            if State.interrupted:  # Ctrl-C, which DuckDB reported as an error of its own
+                raise KeyboardInterrupt from None
+            if State.debug and exc.__cause__ is not None:
+                err.print("".join(traceback.format_exception(exc.__cause__)).rstrip(), highlight=False)
+            _fail(str(exc))
+
 
 app = typer.Typer(
+    cls=_Group,
     add_completion=True,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Post-mortems of distributed RL training runs (Ray, vLLM/SGLang, FSDP/Megatron, NCCL) from their logs.",
 )
+
+
+def _command(name: str | None = None):
+    return app.command(name, cls=_Command)
+
+
 # no emoji codes: log text is full of ``:100:``-like sequences (file:line:) that rich
 # would turn into pictures; markup off unless a call asks for it (our own styled
 # messages, where the input text in them goes through _shown)
 out = Console(soft_wrap=True, emoji=False, markup=False)
 err = Console(stderr=True, soft_wrap=True, emoji=False, markup=False)
 
-DB_OPTION = typer.Option("forensics.duckdb", "--db", help="DuckDB database file.")
+DB_OPTION = typer.Option("forensics.duckdb", "--db", metavar="FILE", help="DuckDB database file.")
 
 
 class State:
@@ -43,8 +103,17 @@ class State:
     told = False  # an error message was printed (_fail)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        out.print(f"forensics {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks of internal errors.")) -> None:
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show Python tracebacks of internal errors, and of what caused a user error."),
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+) -> None:
     State.debug = debug
 
 
@@ -72,25 +141,31 @@ def _human(n: float) -> str:
     return str(n)
 
 
-@app.command()
+INTERRUPTED_INGEST = "interrupted: the files loaded so far are committed; run the same command again to load the rest"
+
+
+@_command()
 def ingest(
-    paths: List[str] = typer.Argument(..., help="Folders, files or .tar/.tar.gz/.zip bundles."),
+    paths: List[str] = typer.Argument(..., metavar="PATHS", help="Folders, files or .tar/.tar.gz/.zip bundles."),
     db: str = DB_OPTION,
-    workers: int = typer.Option(0, "--workers", "-j", help="Parser processes (0 = number of cores)."),
+    workers: int = typer.Option(0, "--workers", "-j", metavar="N", help="Parser processes (0 = number of cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    exclude: List[str] = typer.Option([], "--exclude", "-x", help="Glob of files not to read (matched against the relative path and the name); repeatable."),
+    exclude: List[str] = typer.Option([], "--exclude", "-x", metavar="GLOB", help="Glob of files not to read (matched against the relative path and the name); repeatable."),
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
     with _interruptible():
         try:
-            summary = _run_ingest(paths, db, workers, exclude, show_progress)
-        except BaseException as exc:
-            _ingest_failed(exc, db)
+            with _progress_bar(show_progress) as progress:
+                run = api.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
+        except BaseException as exc:  # a user error (ForensicsError) goes on to _Group.invoke
+            if State.interrupted or isinstance(exc, KeyboardInterrupt):
+                _fail(INTERRUPTED_INGEST, 130)
             raise
-        headline = _headline(db)
-    _print_ingest(summary, headline, db, quiet, as_json)
+        with run:
+            headline = _headline(run)
+    _print_ingest(run.last_ingest, headline, quiet, as_json)
 
 
 @contextlib.contextmanager
@@ -114,29 +189,22 @@ def _interruptible():
             signal.signal(s, h)
 
 
-def _ingest_failed(exc: BaseException, db: str) -> None:
-    """Turn what stopped an ingest into a clear message (typer.Exit); return for a bug."""
-    if State.interrupted or isinstance(exc, KeyboardInterrupt):
-        _fail("interrupted: the files loaded so far are committed; run the same command again to load the rest", 130)
-    if isinstance(exc, (StoreError, pipeline.IngestError)):
-        _fail(str(exc))
-    if isinstance(exc, duckdb.IOException) and not State.debug:  # the database cannot be written (disk full, ...)
-        _fail(f"cannot write the database {db}: {exc}")
+@contextlib.contextmanager
+def _progress_bar(shown: bool):
+    """A progress callback for :func:`forensics.api.ingest`: a bar on stderr, or None."""
+    if not shown:
+        yield None
+        return
+    with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+        task = bar.add_task("", total=None)
+
+        def progress(done: int, total: int, rel: str) -> None:
+            bar.update(task, completed=done, total=total, description=_shown(rel[-60:]))
+
+        yield progress
 
 
-def _run_ingest(paths: list[str], db: str, workers: int, exclude: list[str], show_progress: bool) -> pipeline.IngestSummary:
-    if show_progress:
-        with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
-            task = bar.add_task("", total=None)
-
-            def progress(done: int, total: int, rel: str) -> None:
-                bar.update(task, completed=done, total=total, description=_shown(rel[-60:]))
-
-            return pipeline.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
-    return pipeline.ingest(paths, db, workers=workers or None, debug=State.debug, exclude=exclude)
-
-
-def _print_ingest(summary: pipeline.IngestSummary, headline: str | None, db: str, quiet: bool, as_json: bool) -> None:
+def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> None:
     if as_json:
         payload = {
             "db": summary.db, "seconds": round(summary.seconds, 3), "files_seen": summary.files_seen,
@@ -176,15 +244,12 @@ def _print_ingest(summary: pipeline.IngestSummary, headline: str | None, db: str
         out.print(f"diagnosis: {headline}", highlight=False, markup=False)
 
 
-def _headline(db: str) -> str | None:
-    """One-line diagnosis of the database, or None when diagnosis is unavailable."""
+def _headline(run: api.Run) -> str | None:
+    """The run's diagnosis in one line; a diagnosis that fails is said, it never makes
+    the ingest fail (its exit status is about the ingest: ../shared/contract.md)."""
     try:
-        from . import diagnose as dg
-    except ImportError:
-        return None
-    try:
-        return dg.headline(db)
-    except Exception as exc:  # diagnosis must never make ingest fail
+        return run.headline()
+    except Exception as exc:
         if State.debug:
             raise
         if State.interrupted:  # Ctrl-C during the diagnosis, reported by DuckDB as its error
@@ -192,42 +257,20 @@ def _headline(db: str) -> str | None:
         return f"(diagnosis failed: {exc.__class__.__name__}: {exc})"
 
 
-@app.command()
+@_command()
 def query(
-    sql: str = typer.Argument(..., help="SQL to run (DuckDB dialect)."),
+    sql: str = typer.Argument(..., metavar="SQL", help="SQL to run (DuckDB dialect)."),
     db: str = DB_OPTION,
-    fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json"),
+    fmt: str = typer.Option("table", "--format", "-f", metavar="FORMAT", help="table | csv | json"),
     write: bool = typer.Option(False, "--write", help="Open the database writable (default: read-only)."),
 ) -> None:
     """Run SQL against the database and print the result."""
-    from .api import Run
-
     if fmt not in ("table", "csv", "json"):
-        _fail(f"unknown --format {fmt!r}: use table, csv or json")
-    try:
-        run = Run(db, write=write)
-    except FileNotFoundError as exc:
-        _fail(str(exc))
-        return
-    except StoreError as exc:  # locked by an ingest, not a DuckDB file, ...
-        _fail(str(exc))
-        return
-    try:
-        df = run.sql(sql)
-    except Exception as exc:  # duckdb errors: syntax, missing table, ...
-        if State.interrupted:  # Ctrl-C, which DuckDB reports as an error of its own
-            raise KeyboardInterrupt from None
-        if State.debug:
-            raise
-        _fail(f"{exc.__class__.__name__}: {exc}")
-        return
-    finally:
-        run.close()
+        raise api.ForensicsError(f"unknown --format {fmt!r}: use table, csv or json")
+    df = api.query(db, sql, write=write)
     if fmt == "csv":
         sys.stdout.write(df.write_csv())
     elif fmt == "json":
-        import math
-
         # strict JSON has no NaN or Infinity: non-finite floats are printed as null
         rows = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in df.to_dicts()]
         sys.stdout.write(json.dumps(rows, default=str, indent=1, allow_nan=False) + "\n")
@@ -241,43 +284,24 @@ def query(
         out.print(f"({df.height} row{'s' if df.height != 1 else ''})", highlight=False)
 
 
-@app.command()
+@_command()
 def export(
     db: str = DB_OPTION,
     parquet: Optional[str] = typer.Option(None, "--parquet", metavar="DIR", help="Write one <table>.parquet per table into DIR."),
     chrome_trace: Optional[str] = typer.Option(None, "--chrome-trace", metavar="FILE.json", help="Write one merged Chrome/Perfetto trace of all ranks to FILE.json."),
-    category: List[str] = typer.Option([], "--category", "-c", help="PyTorch profiler category (trace_events.category) to put in the Chrome trace (repeatable; default: kernel, gpu_memcpy, gpu_memset, user_annotation, gpu_user_annotation). Ray timeline events are always in."),
+    category: List[str] = typer.Option([], "--category", "-c", metavar="CAT", help="PyTorch profiler category (trace_events.category) to put in the Chrome trace (repeatable; default: kernel, gpu_memcpy, gpu_memset, user_annotation, gpu_user_annotation). Ray timeline events are always in."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Export the database: Parquet files (--parquet) and/or a Chrome/Perfetto trace (--chrome-trace)."""
-    from .api import Run
-
-    if not parquet and not chrome_trace:
-        _fail("nothing to export: give --parquet DIR and/or --chrome-trace FILE.json")
-    try:
-        run = Run(db)
-    except (FileNotFoundError, StoreLocked) as exc:
-        _fail(str(exc))
-        return
-    payload: dict = {"db": db}
-    try:
-        if parquet:
-            payload["parquet"] = {"dir": parquet, "tables": run.export_parquet(parquet)}
-        if chrome_trace:
-            summary = run.export_chrome_trace(chrome_trace, categories=category or None)
-            payload["chrome_trace"] = summary.to_dict()
-    except (OSError, duckdb.IOException) as exc:  # cannot write there: a user error, not a bug
-        _fail(f"cannot write: {exc}")
-    finally:
-        run.close()
+    written = api.export(db, parquet=parquet, chrome_trace=chrome_trace, categories=category or None)
     if as_json:
-        typer.echo(json.dumps(payload, indent=2, default=str))
+        typer.echo(json.dumps(written, indent=2, default=str))
         return
-    if "parquet" in payload:
-        tables = payload["parquet"]["tables"]
+    if "parquet" in written:
+        tables = written["parquet"]["tables"]
         out.print(f"parquet: {len(tables)} table(s), {sum(tables.values()):,} row(s) -> {parquet}", highlight=False)
-    if "chrome_trace" in payload:
-        ct = payload["chrome_trace"]
+    if "chrome_trace" in written:
+        ct = written["chrome_trace"]
         kinds = ", ".join(f"{k} {v:,}" for k, v in ct["by_kind"].items())
         out.print(f"chrome trace: {ct['events']:,} event(s) ({kinds}) in {len(ct['processes'])} process(es) -> {chrome_trace}", highlight=False)
         if ct["unplaced_log_lines"]:
@@ -285,30 +309,15 @@ def export(
         out.print("  open it in https://ui.perfetto.dev or chrome://tracing", highlight=False)
 
 
-@app.command()
+@_command()
 def report(
     db: str = DB_OPTION,
     output: str = typer.Option("report.html", "--output", "-o", metavar="FILE.html", help="Where to write the report."),
-    title: Optional[str] = typer.Option(None, "--title", help="Page title (default: the database name)."),
+    title: Optional[str] = typer.Option(None, "--title", metavar="TEXT", help="Page title (default: the database name)."),
 ) -> None:
     """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
     timeline, phases per step, training metrics, file inventory. Works offline."""
-    from . import report as report_mod
-
-    try:
-        result = report_mod.write_report(db, output, title)
-    except FileNotFoundError as exc:
-        _fail(str(exc))
-        return
-    except duckdb.IOException as exc:  # locked or unreadable database
-        _fail(f"cannot read {db}: {exc}")
-        return
-    except SettingError as exc:
-        _fail(str(exc))
-        return
-    except OSError as exc:  # cannot write the output
-        _fail(f"cannot write {output}: {exc}")
-        return
+    result = api.report(db, output, title)
     for note in result.notes:
         err.print(f"[yellow]![/yellow] {_shown(note)}", markup=True, highlight=False)
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
@@ -317,7 +326,7 @@ def report(
 SIGNATURES_OPTION = typer.Option([], "--signatures", "-s", metavar="DIR", help="Folder of extra signature rules (*.yaml); repeatable. Its rules override built-in rules of the same id.")
 
 
-@app.command()
+@_command()
 def diagnose(
     db: str = DB_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON (see contract.md)."),
@@ -328,54 +337,29 @@ def diagnose(
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
-    from . import diagnose as dg
-    from .catalogue import SignatureError
-
-    if not os.path.exists(db):
-        _fail(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
-    try:
-        result = dg.diagnose(db, signatures)
-    except SignatureError as exc:
-        _fail(f"signature catalogue: {exc}")
-        return
-    except dg.NothingToDiagnose as exc:
-        _fail(str(exc))
-        return
-    except duckdb.IOException as exc:  # locked or unreadable database
-        _fail(f"cannot read {db}: {exc}")
-        return
-    except SettingError as exc:
-        _fail(str(exc))
-        return
+    result = api.diagnose(db, signatures)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
         return
-    out.print(dg.render(result, verbose=verbose), highlight=False, markup=False)
+    out.print(api.render_diagnosis(result, verbose=verbose), highlight=False, markup=False)
     err.print(f"({result.rules} signatures, {result.seconds:.2f} s)", highlight=False)
 
 
-@app.command("signatures")
+@_command("signatures")
 def signatures_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the catalogue as JSON."),
     signatures: List[str] = SIGNATURES_OPTION,
     check: bool = typer.Option(False, "--check", help="Also compile every pattern with DuckDB's regex engine (RE2)."),
 ) -> None:
     """List the signature catalogue: one rule per line with its class and causal role."""
-    from . import catalogue as sig
-
-    try:
-        cat = sig.load(signatures)
-        if check:
-            sig.check_with_duckdb(cat)
-    except sig.SignatureError as exc:
-        _fail(str(exc))
-        return
+    cat = api.catalogue(signatures, check=check)
+    detectors = sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict))
     if as_json:
         payload = {
             "sources": cat.sources,
             "rules": [r.to_dict() for r in cat.rules],
             "classes": {c.id: {"title": c.title, "remediation": len(c.remediation)} for c in cat.classes.values()},
-            "metric_detectors": sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict)),
+            "metric_detectors": detectors,
         }
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
@@ -385,29 +369,23 @@ def signatures_cmd(
     for r in sorted(cat.rules, key=lambda r: (r.cls, r.role, r.id)):
         t.add_row(*(Text(v) for v in (r.id, r.cls, r.role, f"{r.weight:.2f}", r.title or "")))  # user rule files
     out.print(t)
-    detectors = ", ".join(sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict)))
-    out.print(f"{len(cat.rules)} rule(s) from {len(cat.sources)} file(s); metric detectors: {detectors}", highlight=False)
+    out.print(f"{len(cat.rules)} rule(s) from {len(cat.sources)} file(s); metric detectors: {', '.join(detectors)}", highlight=False)
 
 
-@app.command()
+@_command()
 def evaluate(
-    corpus_dir: str = typer.Argument(..., help="Folder of labelled bundles (each with a label.json), e.g. ../shared/corpus."),
-    work: Optional[str] = typer.Option(None, "--work", help="Folder for the per-bundle databases (default: a temporary folder)."),
+    corpus_dir: str = typer.Argument(..., metavar="CORPUS_DIR", help="Folder of labelled bundles (each with a label.json), e.g. ../shared/corpus."),
+    work: Optional[str] = typer.Option(None, "--work", metavar="DIR", help="Folder for the per-bundle databases (default: a temporary folder)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
     signatures: List[str] = SIGNATURES_OPTION,
 ) -> None:
     """Ingest every labelled bundle, diagnose it and score the diagnoses against the labels."""
-    from . import evaluate as ev
-
-    try:
-        report_ = ev.evaluate(corpus_dir, work_dir=work, signature_dirs=signatures)
-    except FileNotFoundError as exc:
-        _fail(str(exc))
-        return
+    scores = api.evaluate(corpus_dir, work=work, signatures=signatures)
     if as_json:
-        typer.echo(json.dumps(report_.to_dict(), indent=2, default=str))
+        typer.echo(json.dumps(scores.to_dict(), indent=2, default=str))
         return
-    out.print(ev.render(report_), highlight=False, markup=False)
+    out.print(api.render_evaluation(scores), highlight=False, markup=False)
+
 
 def main() -> None:
     try:

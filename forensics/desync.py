@@ -1,7 +1,7 @@
 """Desync analysis: which rank of a hung collective is behind, missing or waiting.
 
 The work is done by the SQL views ``collective_progress`` and ``desync``
-(``forensics/sql/31_desync.sql``); this module reads them for Python callers and puts
+(the SQL module ``forensics/sql/desync.sql``); this module reads them for Python callers and puts
 the result in words::
 
     from forensics.desync import desync, suspects, describe

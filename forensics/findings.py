@@ -1,6 +1,6 @@
 """Performance findings: straggler ranks, slow weight sync, rollout long tail, step time jumps.
 
-:func:`findings` reads the phase views (``forensics/sql/6*_phases*.sql``) and returns plain
+:func:`findings` reads the phase views (the SQL modules ``forensics/sql/phases*.sql``) and returns plain
 dicts that ``forensics diagnose`` puts in the ``findings`` list of its JSON
 (``{"id", "rank", "detail", ...}``). Thresholds are data: ``signatures/findings.yaml``.
 

@@ -1,6 +1,6 @@
 """Phase attribution: where each rank spent each step (rollout, reward, train, sync, other, idle).
 
-The analysis itself is SQL (``forensics/sql/6*_phases*.sql``); the mapping from span, task,
+The analysis itself is SQL (the modules ``forensics/sql/phases*.sql``); the mapping from span, task,
 metric and log-marker names to phases is data (``signatures/phases.yaml``). This module loads
 that data into the tables ``phase_rules`` and ``phase_settings`` the views join, and reads
 the views back as polars frames.
@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import duckdb
 import polars as pl
 
+from . import sql_modules
 from .catalogue import load_yaml
 
 SIGNATURES = Path(str(resources.files("forensics.signatures")))  # the built-in rule files (package data)
@@ -73,26 +74,12 @@ def load_rules(path: str | Path = PHASES_YAML) -> tuple[list[dict[str, Any]], di
     return rows, settings, hashlib.sha256(raw).hexdigest()
 
 
-def _read_only(con: duckdb.DuckDBPyConnection) -> bool:
-    row = con.execute(
-        "SELECT readonly FROM duckdb_databases() WHERE database_name = current_database()"
-    ).fetchall()
-    return bool(row and row[0][0])
-
-
-def _has_main_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    return bool(con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main' AND database_name = current_database()",
-        [name],
-    ).fetchall()[0][0])
-
-
 def _sql_literal(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
 def _create_setting_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, str], temp: bool) -> None:
-    """(Re)define ``phase_setting(key)`` as a CASE over the settings' literal values.
+    """(Re)define ``_phase_setting(key)`` as a CASE over the settings' literal values.
 
     The SQL files define it as a lookup in ``phase_settings``, which is correct but opaque to
     the optimiser: DuckDB compiles a regular expression that comes from a table once per
@@ -100,11 +87,11 @@ def _create_setting_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, st
     """
     cases = " ".join(f"WHEN {_sql_literal(k)} THEN {_sql_literal(v)}" for k, v in sorted(settings.items()))
     where = "TEMP MACRO " if temp else "MACRO main."
-    con.execute(f"CREATE OR REPLACE {where}phase_setting(k) AS CASE k {cases} ELSE NULL END").fetchall()
+    con.execute(f"CREATE OR REPLACE {where}_phase_setting(k) AS CASE k {cases} ELSE NULL END").fetchall()
 
 
 def _create_rules_macro(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any]], temp: bool) -> None:
-    """(Re)define ``phase_rule_priority(bare, src)`` as a CASE over the rules' literal patterns.
+    """(Re)define ``_phase_rule_priority(bare, src)`` as a CASE over the rules' literal patterns.
 
     The SQL file defines it as a lookup in ``phase_rules`` (a regular expression from a
     column, compiled again for every name and rule); with literals each compiles once. The
@@ -117,7 +104,7 @@ def _create_rules_macro(con: duckdb.DuckDBPyConnection, rows: list[dict[str, Any
             cond += " AND src IN (" + ", ".join(_sql_literal(s) for s in r["sources"].split(",")) + ")"
         whens.append(f"WHEN {cond} THEN {int(r['priority'])}")
     where = "TEMP MACRO " if temp else "MACRO main."
-    con.execute(f"CREATE OR REPLACE {where}phase_rule_priority(bare, src) AS "
+    con.execute(f"CREATE OR REPLACE {where}_phase_rule_priority(bare, src) AS "
                 f"CASE {' '.join(whens)} ELSE NULL::INTEGER END").fetchall()
 
 
@@ -125,77 +112,37 @@ _PLAIN_WORDS = re.compile(r"[A-Za-z0-9_]+(?:\|[A-Za-z0-9_]+)*")
 
 
 def _create_category_macro(con: duckdb.DuckDBPyConnection, settings: dict[str, str], temp: bool) -> None:
-    """(Re)define ``phase_gpu_category(c)``: ``c IN (...)`` when ``gpu_categories`` is a plain
+    """(Re)define ``_phase_gpu_category(c)``: ``c IN (...)`` when ``gpu_categories`` is a plain
     alternation of words (``kernel|gpu_memcpy``), which a whole-string match of it accepts
     exactly; otherwise the SQL file's regular expression. The test runs on every trace event."""
     pattern = settings.get("gpu_categories")
     if pattern is not None and _PLAIN_WORDS.fullmatch(pattern):
         body = "c IN (" + ", ".join(_sql_literal(w) for w in pattern.split("|")) + ")"
     else:
-        body = "regexp_full_match(c, phase_setting('gpu_categories'))"
+        body = "regexp_full_match(c, _phase_setting('gpu_categories'))"
     where = "TEMP MACRO " if temp else "MACRO main."
-    con.execute(f"CREATE OR REPLACE {where}phase_gpu_category(c) AS {body}").fetchall()
+    con.execute(f"CREATE OR REPLACE {where}_phase_gpu_category(c) AS {body}").fetchall()
 
 
-def _view_sql() -> list[tuple[str, str]]:
-    from .store import view_files
-
-    return [(name, sql) for name, sql in view_files() if name.startswith("6") and "phases" in name]
-
-
-VERSION_MACRO = "phase_views_version"
-
-
-def _views_sha() -> str:
-    """Hash of the phase view files without the line that records it (see ``_ensure_views``)."""
-    text = "".join(sql for _, sql in _view_sql())
-    text = re.sub(rf"CREATE OR REPLACE MACRO {VERSION_MACRO}\(\) AS '[0-9a-f]*';\n?", "", text)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _ensure_views(con: duckdb.DuckDBPyConnection, read_only: bool, views_sha: str, force: bool = False) -> None:
-    """A database written by another forensics version may lack the phase views or hold old
-    ones. A writable connection (re)creates them; a read-only one gets TEMP views (and TEMP
-    shells for the tables no parser declared) that shadow the stored ones."""
-    if not _has_main_table(con, "files"):
-        return  # not a forensics database: nothing to attach the views to
-    # the SQL files record their own hash in a macro: the views in the database are current
-    # when the macro they made answers the hash of the files this code reads
-    have = {r[0] for r in con.execute("SELECT function_name FROM duckdb_functions() WHERE function_type = 'macro'").fetchall()}
-    if VERSION_MACRO in have and not force:
-        try:
-            current = con.execute(f"SELECT {VERSION_MACRO}()").fetchall()[0][0]
-        except duckdb.Error:  # a macro of that name from elsewhere that takes arguments
-            current = None
-        if current == views_sha:
-            return
-    for _, sql in _view_sql():
-        for stmt in sql.split(";\n"):
-            if "CREATE" not in stmt:
-                continue
-            if read_only:
-                m = re.search(r"CREATE TABLE IF NOT EXISTS (\w+)", stmt)
-                if m and _has_main_table(con, m.group(1)):
-                    continue
-                stmt = (stmt.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE IF NOT EXISTS")
-                        .replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW")
-                        .replace("CREATE OR REPLACE MACRO", "CREATE OR REPLACE TEMP MACRO"))
-            con.execute(stmt).fetchall()
+# The phase attribution's results: attach() makes sure a connection has them (and what they
+# are made of) as this version's SQL modules create them.
+PHASE_VIEWS = ("phases", "phase_steps", "phase_run_steps", "phase_timeline")
 
 
 def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> None:
     """Load the phase rules into ``con`` (see the module docstring). Idempotent."""
     rows, settings, sha = load_rules(path)
-    views_sha = _views_sha()
-    read_only = _read_only(con)
-    _ensure_views(con, read_only, views_sha)
+    read_only = sql_modules.read_only(con)
+    # a database of another version: TEMP views of this version's modules, which read the
+    # rules' macros as TEMP macros too (a stored macro is not seen behind the module's own)
+    temp = sql_modules.ensure(con, PHASE_VIEWS) or read_only
     settings = {**settings, SOURCE_HASH_KEY: sha}
     rules_tbl = pl.DataFrame(rows, schema={"priority": pl.Int32, "phase": pl.String, "sub_phase": pl.String,
                                            "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
     settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
-    _create_setting_macro(con, settings, temp=read_only)
-    _create_rules_macro(con, rows, temp=read_only)
-    _create_category_macro(con, settings, temp=read_only)
+    _create_setting_macro(con, settings, temp=temp)
+    _create_rules_macro(con, rows, temp=temp)
+    _create_category_macro(con, settings, temp=temp)
     if read_only:
         con.register("_phase_rules_in", rules_tbl)
         con.register("_phase_settings_in", settings_tbl)
@@ -206,7 +153,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
             con.unregister("_phase_rules_in")
             con.unregister("_phase_settings_in")
         return
-    if _has_main_table(con, "phase_settings"):
+    if sql_modules.has_main_table(con, "phase_settings"):
         have = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [SOURCE_HASH_KEY]).fetchall()
         if have and have[0][0] == sha:
             return
@@ -232,21 +179,10 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
 # The expensive views, in dependency order: ``cached`` materialises each as a TEMP table of
 # the same name, which the later views (and the caller's queries) then read instead.
 CACHED_VIEWS = (
-    "phase_log_markers", "phase_names", "phase_log_steps", "phase_profiler_steps", "phase_spans", "phase_kineto_segments",
-    "phase_gpu_events", "phase_collective_matches", "phase_collectives", "phases", "phase_steps",
+    "_phase_log_markers", "phase_names", "phase_log_steps", "phase_profiler_steps", "phase_spans", "_phase_kineto_segments",
+    "phase_gpu_events", "_phase_collective_matches", "phase_collectives", "phases", "phase_steps",
     "phase_run_steps", "phase_timeline",
 )
-
-
-def _view_queries() -> dict[str, str]:
-    """The query of each phase view, as written in its SQL file."""
-    out = {}
-    for _, sql in _view_sql():
-        for stmt in sql.split(";\n"):
-            m = re.search(r"CREATE OR REPLACE VIEW (\w+) AS\s", stmt)
-            if m:
-                out[m.group(1)] = stmt[m.end():]
-    return out
 
 
 @contextmanager
@@ -259,7 +195,7 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
     attach(con)
     temp_tables = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
     temp_views = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE temporary").fetchall()}
-    queries = _view_queries()
+    queries = sql_modules.view_queries(sql_modules.needed(PHASE_VIEWS))
     made: list[str] = []
     replaced_temp_views = False
     try:
@@ -276,7 +212,7 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
         for view in reversed(made):
             con.execute(f'DROP TABLE IF EXISTS temp.main."{view}"').fetchall()
         if replaced_temp_views:
-            _ensure_views(con, True, _views_sha(), force=True)
+            sql_modules.ensure(con, PHASE_VIEWS, force=True)
             attach(con)
 
 
@@ -300,19 +236,3 @@ def timeline(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Every phase span with its wall-clock start and end (see the view ``phase_timeline``)."""
     attach(con)
     return _frame(con, "SELECT * FROM phase_timeline ORDER BY start_us, rank NULLS FIRST")
-
-
-def update_version_line() -> bool:
-    """Rewrite the `phase_views_version` macro in the last phase view file to the files' hash.
-    Returns whether the file changed. (`python -m forensics.phases`; tests check it is current.)"""
-    folder = Path(__file__).resolve().parent / "sql"
-    last = folder / f"{_view_sql()[-1][0]}.sql"
-    text = last.read_text()
-    new = re.sub(rf"(CREATE OR REPLACE MACRO {VERSION_MACRO}\(\) AS ')[0-9a-f]*(';)", rf"\g<1>{_views_sha()}\g<2>", text)
-    if new != text:
-        last.write_text(new)
-    return new != text
-
-
-if __name__ == "__main__":
-    print("updated" if update_version_line() else "current")

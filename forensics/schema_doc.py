@@ -1,18 +1,20 @@
-"""Generate docs/schema.md from the table declarations and the SQL view files.
+"""Generate docs/schema.md from the table declarations and the SQL modules (forensics/sql/).
 
     python -m forensics.schema_doc          # rewrite docs/schema.md
     python -m forensics.schema_doc --check  # exit 1 when docs/schema.md is stale
 
 Tables are documented where they are declared (the format modules under ``parsers/``,
 ``forensics/store.py``; tables of formats that other packages add are left out); views by
-the leading ``--`` comment block of their file in ``forensics/sql/``.
+the leading ``--`` comment block of their SQL module in ``forensics/sql/``, in dependency
+order. A module's helpers (relations named ``_...``) are not for users and are left out.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from .store import _duck_type, all_tables, view_files
+from . import sql_modules
+from .store import Store, _duck_type, all_tables
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "schema.md"
 
@@ -34,14 +36,15 @@ def _escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _view_doc(sql: str) -> str:
-    lines = []
-    for line in sql.splitlines():
-        if line.startswith("--"):
-            lines.append(line[2:].removeprefix(" "))
-        elif line.strip():
-            break
-    return "\n".join(lines).strip()
+def view_columns() -> dict[str, list[tuple[str, str]]]:
+    """Every view's columns and their DuckDB types, as an empty database of this schema has
+    them (the views' SQL decides them: written down here, a change shows in the diff)."""
+    store = Store(":memory:")
+    try:
+        views = [r[0] for r in store.con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+        return {v: [(r[0], r[1]) for r in store.con.execute(f'DESCRIBE "{v}"').fetchall()] for v in views}
+    finally:
+        store.close()
 
 
 def render() -> str:
@@ -50,11 +53,18 @@ def render() -> str:
         parts.append(f"\n### `{table.name}`\n\n{table.doc}\n\n| column | type | meaning |\n|---|---|---|\n")
         for c in table.columns:
             parts.append(f"| `{c.name}` | {_duck_type(c.type)} | {_escape(c.doc)} |\n")
-    views = view_files()
-    if views:
-        parts.append("\n## Views\n\nAnalyses ship as SQL view files in `forensics/sql/`; read them, reuse them.\n")
-        for name, sql in views:
-            parts.append(f"\n### from `{name}.sql`\n\n{_view_doc(sql)}\n")
+    mods = [m for m in sql_modules.modules() if m.public]
+    if mods:
+        parts.append("\n## Views\n\nAnalyses ship as SQL modules in `forensics/sql/`, one file each; read them, reuse them. "
+                     "Relations whose names start with `_` are the modules' helpers, not for users: they are not listed here "
+                     "and may change in any version.\n")
+        columns = view_columns()
+        for m in mods:
+            parts.append(f"\n### from `{m.name}.sql`\n\n{m.doc}\n")
+            for kind, name in m.creates:
+                if kind == "VIEW" and name in m.public:
+                    cols = ", ".join(f"`{c}` {t}" for c, t in columns[name])
+                    parts.append(f"\nColumns of `{name}`: {cols}.\n")
     return "".join(parts)
 
 

@@ -2,7 +2,8 @@
 
 Every table is declared once as a :class:`parsers.base.Table` (parser output tables in
 ``parsers/``, bookkeeping tables here); ``docs/schema.md`` is generated from those
-declarations and from the header comments of the view files in ``forensics/sql/``.
+declarations and from the header comments of the SQL modules in ``forensics/sql/``
+(:mod:`forensics.sql_modules` reads and orders them).
 
 A file is loaded inside one transaction (its rows and its ``files`` row together),
 so an interrupted ingest leaves the database consistent and a re-run redoes only
@@ -18,14 +19,13 @@ import shutil
 import threading
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from . import parsers
+from . import parsers, sql_modules
 from .parsers.base import FILE_ID, JsonArrayRows, LINE_NO, Table, col
 
 SCHEMA_VERSION = 1
@@ -159,25 +159,13 @@ def ddl(table: Table) -> str:
     return f'CREATE TABLE IF NOT EXISTS "{table.name}" ({cols})'
 
 
-def view_files() -> list[tuple[str, str]]:
-    """(name, sql) of the analysis views, in dependency order (file name order)."""
-    out = []
-    folder = resources.files("forensics") / "sql"
-    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-        if entry.name.endswith(".sql"):
-            out.append((entry.name[:-4], entry.read_text()))
-    return out
-
-
 def _schema_fingerprint() -> str:
     import hashlib
 
     h = hashlib.sha256(str(SCHEMA_VERSION).encode())
     for table in all_tables():
         h.update(ddl(table).encode())
-    for name, sql in view_files():
-        h.update(name.encode())
-        h.update(sql.encode())
+    h.update(sql_modules.version().encode())
     return h.hexdigest()
 
 
@@ -341,7 +329,7 @@ class Store:
     def ensure_schema(self, defer_views: bool = False) -> None:
         """Create or extend the tables, then (re)create the views (``defer_views``: at
         :meth:`finish_schema`). Skipped when the database already has this exact schema
-        and these exact views (a fingerprint of the declarations and view files is kept
+        and these exact views (a fingerprint of the declarations and SQL modules is kept
         in ``meta``, written once the views exist)."""
         con = self.con
         fingerprint = _schema_fingerprint()
@@ -374,8 +362,8 @@ class Store:
         self._pending_fingerprint = None
 
     def create_views(self) -> None:
-        for name, sql in view_files():
-            self.con.execute(sql)
+        """(Re)create every SQL module's views and macros (forensics/sql/, in dependency order)."""
+        sql_modules.create(self.con)
 
     # -- files ----------------------------------------------------------------
     def known_files(self, root: str) -> dict[str, KnownFile]:

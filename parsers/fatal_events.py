@@ -341,6 +341,13 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
                 break
             if foreign(k) or _starts_other(m):
                 break
+            e = _EXC_STRICT.match(m)
+            if e and _is_ray_wrapper(part) and part.wrapped and _short(e.group("type")) == _short(part.wrapped):
+                # the wrapped exception right under its RayTaskError header (a remote part with no frames)
+                part = ev.part("remote")
+                _set_exception(ev, part, e, st.rows[k])
+                ev.last, k = k, k + 1
+                continue
             if raw[:1] in (" ", "\t") or _continues_message(m, k - ev.last):
                 part.message = (part.message + "\n" if part.message else "") + m.strip()
                 ev.last, k = k, k + 1

@@ -37,3 +37,10 @@ def ingested_corpus(tmp_path_factory, corpus):
         pipeline.ingest([str(case)], str(db), workers=1, exclude=["label.json"])
         out[case] = db
     return out
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--update-expected", action="store_true", default=False,
+        help="tests/test_sql_modules.py: rewrite tests/sql_expected/*.csv from what the views return now "
+             "(then read the diff before committing it)")

@@ -12,7 +12,8 @@ import pytest
 from forensics import parsers
 from forensics import detect
 from forensics.desync import describe, desync, suspects
-from forensics.store import all_tables, ddl, view_files
+from forensics import sql_modules
+from forensics.store import all_tables, ddl
 from forensics.parsers.base import FileContext
 
 from .test_flight_recorder import dump
@@ -52,9 +53,7 @@ def quick_db(run: Path) -> duckdb.DuckDBPyConnection:
                 con.register("_part", tables[name].conform(frame))
                 con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
                 con.unregister("_part")
-    for name, sql in view_files():
-        if name.startswith("3"):
-            con.execute(sql)
+    sql_modules.create(con, sql_modules.needed(["desync"]))
     return con
 
 

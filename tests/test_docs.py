@@ -130,6 +130,13 @@ def test_python_equivalents_name_the_public_api():
     public = sorted(n for n in vars(Run) if not n.startswith("_") and callable(getattr(Run, n)))
     missing = [n for n in public if f"run.{n}(" not in python]
     assert not missing, f"docs/cli.md, Python equivalents: Run methods not mentioned: {missing}"
+    import inspect
+
+    from forensics import api
+
+    functions = [n for n, f in vars(api).items() if inspect.isfunction(f) and f.__module__ == api.__name__ and not n.startswith("_")]
+    missing = [n for n in functions if f"api.{n}(" not in python and f"forensics.{n}(" not in python]
+    assert not missing, f"docs/cli.md, Python equivalents: forensics.api functions not mentioned: {missing}"
 
 
 def test_schema_doc_is_current():
@@ -138,15 +145,19 @@ def test_schema_doc_is_current():
     assert schema_doc.DOC.read_text() == schema_doc.render(), "docs/schema.md is stale: run python -m forensics.schema_doc"
 
 
-_CREATED = re.compile(r"CREATE (?:OR REPLACE )?(?:VIEW ([a-z_0-9]+)|MACRO ([a-z_0-9]+)\([^)]*\) AS TABLE)", re.I)
-
-
 def test_every_view_is_documented_with_an_example():
-    from forensics.schema_doc import _view_doc
-    from forensics.store import view_files
+    """Every public view, table macro and table of a SQL module is described in the module's
+    leading comment block, which has an example; helpers (`_name`) are not in docs/schema.md."""
+    from forensics import schema_doc, sql_modules
 
-    for name, sql in view_files():
-        doc = _view_doc(sql)
-        assert "```sql" in doc, f"forensics/sql/{name}.sql: the leading comment block has no example query"
-        for view, macro in _CREATED.findall(sql):
-            assert f"`{view or macro}" in doc, f"forensics/sql/{name}.sql: {view or macro} is not described in its comment block"
+    for m in sql_modules.modules():
+        if not m.public:
+            continue
+        assert "```sql" in m.doc, f"forensics/sql/{m.name}.sql: the leading comment block has no example query"
+        for name in m.public:
+            assert f"`{name}" in m.doc, f"forensics/sql/{m.name}.sql: {name} is not described in its comment block"
+    page = schema_doc.DOC.read_text()
+    private = sorted({name for m in sql_modules.modules() for name in m.relations if name.startswith("_")})
+    assert private, "no helper relations: the test would test nothing"
+    shown = [name for name in private if re.search(rf"(?<![\w]){re.escape(name)}\b", page)]
+    assert not shown, f"docs/schema.md names helpers that are not for users: {shown}"

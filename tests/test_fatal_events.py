@@ -376,3 +376,14 @@ def test_exceptions_python_reports_and_survives_are_marked():
         BrokenPipeError: [Errno 32] Broken pipe
         ''')
     assert ev.select("line_no", "wrapper", "exc_type").rows() == [(1, "ignored", "AttributeError"), (6, "atexit", "BrokenPipeError")]
+
+
+def test_wrapped_exception_right_under_its_ray_wrapper():
+    e = _one('''
+        ray.exceptions.RayTaskError(ActorDiedError): ray::WorkerDict.actor_rollout_update_actor() (pid=77, ip=10.0.0.2, actor_id=bb)
+        ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.
+        	class_name: WorkerDict
+        	pid: 77
+        The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR
+        ''')
+    assert (e["exc_type"], e["exc_line"], e["last_line"], e["ray_method"]) == ("ray.exceptions.ActorDiedError", 2, 5, "actor_rollout_update_actor")

@@ -409,7 +409,7 @@ def test_a_cache_that_cannot_be_written_only_costs_time(tmp_path, monkeypatch):
     assert _views(str(tmp_path / "c.duckdb")) == _views(str(tmp_path / "a.duckdb"))
     con = duckdb.connect(str(tmp_path / "c.duckdb"), read_only=True)
     assert con.execute("SELECT count(*) FROM trace_events").fetchone()[0] == 45
-    assert con.execute("SELECT count(*) FROM phase_trace").fetchone()[0] == 45  # a view over the loaded rows
+    assert con.execute("SELECT count(*) FROM _phase_trace").fetchone()[0] == 45  # a view over the loaded rows
 
 
 def test_a_damaged_cached_copy_is_dropped_and_made_again(tmp_path, monkeypatch):

@@ -44,16 +44,12 @@ DIAG_VIEWS = ("tracebacks", "ray_task_errors", "actor_deaths", "watchdog_timeout
 
 
 def ensure_views(con: duckdb.DuckDBPyConnection) -> None:
-    """Databases written by an older forensics lack the diagnosis views; a read-only
-    connection gets them as TEMP views (the view files are the same)."""
-    have = {r[0] for r in con.execute("SELECT view_name FROM duckdb_views()").fetchall()}
-    if all(v in have for v in DIAG_VIEWS):
-        return
-    from ..store import view_files
+    """Databases written by another forensics version lack the diagnosis views or hold old
+    ones: the connection gets this version's as TEMP views (forensics/sql/diag_*.sql and
+    what they depend on), whether it is read-only or not."""
+    from .. import sql_modules
 
-    for name, text in view_files():
-        if name.startswith("5"):
-            con.execute(text.replace("CREATE OR REPLACE VIEW", "CREATE OR REPLACE TEMP VIEW"))
+    sql_modules.ensure(con, DIAG_VIEWS)
 
 
 def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] = (), *,

@@ -1,3 +1,5 @@
+-- depends: lines, actor_deaths
+--
 -- `rank_pids`: which global rank a process (pid) holds, from every kind of evidence the logs
 -- carry, one row per (pid, rank, source) with the number of lines saying so (`n`):
 -- `line` (a line with both a pid and a rank: `[rankN]:` prefixes, per-rank file paths),

@@ -1,3 +1,5 @@
+-- depends: _phase_trace, _phase_kineto_segments, phase_gpu
+--
 -- `kernel_time_by_phase`: GPU time per rank and phase over the profiled steps (from
 -- `phase_gpu`: a GPU event belongs to the phase that was open on the CPU when it started):
 -- `kernel_s` compute kernels, memcpy and memset; `nccl_s` NCCL collectives; `gpu_s` both;
@@ -31,11 +33,11 @@ FROM per_phase;
 CREATE OR REPLACE VIEW top_kernels_by_phase AS
 WITH k AS (
     SELECT g.file_id, g.rank, g.name, g.start_us, g.dur_us / 1e6 AS seconds
-    FROM phase_trace g
+    FROM _phase_trace g
     WHERE g.source = 'kineto' AND g.ph = 'X' AND g.category = 'kernel'
 ), placed AS (
     SELECT s.phase, k.rank, s.step, k.name, k.seconds
-    FROM k ASOF JOIN phase_kineto_segments s ON k.file_id = s.file_id AND k.start_us >= s.start_us
+    FROM k ASOF JOIN _phase_kineto_segments s ON k.file_id = s.file_id AND k.start_us >= s.start_us
     WHERE k.start_us < s.end_us
 ), summed AS (
     SELECT phase, name, count(*) AS calls, sum(seconds) AS total_s, avg(seconds) * 1e6 AS mean_us,

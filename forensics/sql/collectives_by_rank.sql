@@ -1,3 +1,5 @@
+-- depends: _phase_trace, _phase_setting, phase_collectives, nccl_collectives
+--
 -- `collectives_by_rank`: the collectives each rank ran, per process group and operation,
 -- from every source that shows them (`source`):
 -- * `trace`: NCCL kernels of PyTorch profiler traces (`trace_events`; the operation is the
@@ -17,11 +19,11 @@
 CREATE OR REPLACE VIEW collectives_by_rank AS
 WITH kernels AS (
     SELECT rank, coalesce(pg_name, '') AS pg_name,
-           coalesce(coll_name, nullif(regexp_extract(name, phase_setting('nccl_coll_from_kernel_regex'), 1), ''), name) AS coll_name,
+           coalesce(coll_name, nullif(regexp_extract(name, _phase_setting('nccl_coll_from_kernel_regex'), 1), ''), name) AS coll_name,
            coll_in_nelems, dur_us / 1e6 AS seconds
-    FROM phase_trace
+    FROM _phase_trace
     WHERE source = 'kineto' AND ph = 'X' AND category = 'kernel'
-      AND (coll_name IS NOT NULL OR regexp_matches(name, phase_setting('nccl_kernel_regex')))
+      AND (coll_name IS NOT NULL OR regexp_matches(name, _phase_setting('nccl_kernel_regex')))
 ), matched AS (
     SELECT rank, pg_name, coll_name, sum(wait_s) AS wait_s, sum(late_s) AS late_s
     FROM phase_collectives GROUP BY ALL

@@ -1,3 +1,5 @@
+-- depends: fr_entries, fr_groups, pg_events, nccl_comms, nccl_rank_map, nccl_collectives
+--
 -- `collective_progress`: how far each rank got in each process group, from the best evidence
 -- there is. `source` says which: `flight_recorder` (the rank's dump: entries and `pg_status`),
 -- `watchdog` (ProcessGroupNCCL lines: `SeqNum=`, `last enqueued/completed NCCL work`, desync

@@ -1,3 +1,5 @@
+-- depends: lines, files
+--
 -- `log`: every line with its file's path and format, the convenient way to read logs.
 --
 -- ```sql

@@ -1,3 +1,5 @@
+-- depends: lines, files
+--
 -- `attributed_lines`: every line with its file's path and format and with node, pid, rank and
 -- actor taken from the line when it names them, else from its file's hints.
 --

@@ -1,3 +1,5 @@
+-- depends: lines
+--
 -- `tracebacks`: one row per Python traceback (a multi-line event grouped by the text parser:
 -- `lines.event_line` is its first line). `exception` is its last line (the exception and its
 -- message), `body` all its lines joined by newlines (the frames name the code path, which

@@ -1,3 +1,5 @@
+-- depends: metrics
+--
 -- `step_metrics`: one value per (step, metric key): the same metric logged twice (console
 -- line and JSONL record, or several ranks) is kept once, preferring the JSONL record (full
 -- precision), then the lowest rank, then the earliest line. Engine statistics without a

@@ -1,4 +1,6 @@
--- Phase attribution, spans: `phase_spans`, `phase_kineto_segments`.
+-- depends: _phase_trace, _phase_log_markers, _phase_setting, phase_names, phase_profiler_steps, phase_log_steps
+--
+-- Phase attribution, spans: `phase_spans`.
 --
 -- * `phase_spans(source, file_id, line_no, rank, step, phase, sub_phase, name, start_us, end_us, seconds)`:
 --   every interval known to belong to one phase of one step, with its wall-clock bounds in
@@ -12,19 +14,15 @@
 --   - `log`: a phase's start and end marker lines (`step 3: [gen] start` ... `[gen] end (0.47s)`);
 --     with only an end line and a printed duration, start = end - duration.
 --   `rank IS NULL` means the span is run-level (driver), not one rank's.
--- * `phase_kineto_segments(file_id, rank, step, phase, sub_phase, name, start_us, end_us, seconds)`:
---   each profiler step cut into consecutive pieces, each owned by the innermost phase span
---   covering it, or by `idle` (no phase annotation is open: the CPU thread ran un-annotated
---   code or waited). The pieces of one step add up exactly to its `ProfilerStep` duration.
 --
 -- ```sql
--- SELECT rank, step, phase, round(sum(seconds), 3) AS s FROM phase_kineto_segments
+-- SELECT rank, step, phase, round(sum(seconds), 3) AS s FROM phase_spans
 -- GROUP BY ALL ORDER BY rank, step, phase;
 -- ```
 CREATE OR REPLACE VIEW phase_spans AS
 WITH kin_ann AS (
     SELECT t.file_id, t.line_no, t.name, t.start_us, t.end_us, n.phase, n.sub_phase
-    FROM phase_trace t
+    FROM _phase_trace t
     JOIN phase_names n ON n.source = 'kineto' AND n.name = t.name
     WHERE t.source = 'kineto' AND t.ph = 'X' AND t.category = 'user_annotation'
 ), kin AS (
@@ -34,14 +32,14 @@ WITH kin_ann AS (
     WHERE a.start_us < w.end_us
 ), ray_workers AS (
     SELECT file_id, tid,
-           max(TRY_CAST(nullif(regexp_extract(coalesce(category, '') || ' ' || name, phase_setting('ray_actor_index_regex'), 2), '') AS INTEGER)) AS idx
-    FROM phase_trace
-    WHERE source = 'ray' AND regexp_matches(coalesce(category, '') || ' ' || name, phase_setting('ray_actor_index_regex'))
+           max(TRY_CAST(nullif(regexp_extract(coalesce(category, '') || ' ' || name, _phase_setting('ray_actor_index_regex'), 2), '') AS INTEGER)) AS idx
+    FROM _phase_trace
+    WHERE source = 'ray' AND regexp_matches(coalesce(category, '') || ' ' || name, _phase_setting('ray_actor_index_regex'))
     GROUP BY file_id, tid
 ), ray_tasks AS (
     SELECT t.file_id, t.line_no, coalesce(t.rank, w.idx) AS rank, t.tid, n.phase, n.sub_phase, t.name,
            t.start_us, t.end_us
-    FROM phase_trace t
+    FROM _phase_trace t
     JOIN phase_names n ON n.source = 'ray' AND n.name = t.name
     LEFT JOIN ray_workers w ON w.file_id = t.file_id AND w.tid IS NOT DISTINCT FROM t.tid
     WHERE t.source = 'ray' AND t.ph = 'X'
@@ -60,7 +58,7 @@ WITH kin_ann AS (
            min(epoch_us(m.ts)) FILTER (WHERE m.edge = 'start')::DOUBLE AS s_us,
            max(epoch_us(m.ts)) FILTER (WHERE m.edge = 'end')::DOUBLE AS e_us,
            max(m.seconds) FILTER (WHERE m.edge = 'end') AS secs
-    FROM phase_log_markers m
+    FROM _phase_log_markers m
     GROUP BY m.file_id, m.rank, m.pid, m.step, m.marker_name
 ), log_spans AS (
     SELECT 'log' AS source, k.file_id, coalesce(k.start_line, k.first_line) AS line_no, k.rank, k.step,
@@ -78,7 +76,11 @@ SELECT source, file_id, line_no, rank, step, phase, sub_phase, name, start_us, e
 FROM all_spans
 WHERE step IS NOT NULL AND end_us >= start_us;
 
-CREATE OR REPLACE VIEW phase_kineto_segments AS
+-- Each profiler step cut into consecutive pieces (file_id, rank, step, phase, sub_phase, name,
+-- start_us, end_us, seconds), each owned by the innermost phase span covering it, or by `idle`
+-- (no phase annotation is open: the CPU thread ran un-annotated code or waited). The pieces of
+-- one step add up exactly to its `ProfilerStep` duration.
+CREATE OR REPLACE VIEW _phase_kineto_segments AS
 WITH sp AS (
     SELECT file_id, rank, step, phase, sub_phase, name, start_us, end_us FROM phase_spans WHERE source = 'kineto'
 ), w AS (

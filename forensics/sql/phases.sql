@@ -1,3 +1,6 @@
+-- depends: metrics, _phase_setting, _phase_engine, _phase_kineto_segments, _phase_collective_matches
+-- depends: phase_names, phase_log_steps, phase_profiler_steps, phase_spans
+--
 -- Phase attribution, results: `phases`, `phase_steps`, `phase_run_steps`, `phase_timeline`.
 --
 -- For every rank and step: seconds in rollout (with its `logprob` sub-phase), reward, train,
@@ -40,18 +43,18 @@
 -- ```
 CREATE OR REPLACE VIEW phases AS
 WITH seg AS (
-    SELECT * FROM phase_kineto_segments
+    SELECT * FROM _phase_kineto_segments
 ), kin_base AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(s.seconds) AS seconds
     FROM seg s GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), coll_seg AS (
     -- the pieces the ASOF join below can pick: none that starts after the file's last collective
     SELECT s.* FROM seg s
-    JOIN (SELECT file_id, max(start_us) AS last_us FROM phase_collective_matches GROUP BY file_id) l
+    JOIN (SELECT file_id, max(start_us) AS last_us FROM _phase_collective_matches GROUP BY file_id) l
       ON l.file_id = s.file_id AND s.start_us <= l.last_us
 ), kin_wait AS (
     SELECT s.rank, s.step, s.phase, s.sub_phase, sum(m.wait_s) AS wait_s
-    FROM phase_collective_matches m ASOF JOIN coll_seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
+    FROM _phase_collective_matches m ASOF JOIN coll_seg s ON m.file_id = s.file_id AND m.start_us >= s.start_us
     GROUP BY s.rank, s.step, s.phase, s.sub_phase
 ), kin_step AS (
     SELECT rank, step, sum(step_s) AS step_s FROM phase_profiler_steps GROUP BY rank, step
@@ -90,13 +93,13 @@ WITH seg AS (
 ), met_raw AS (
     SELECT step, key, value, source FROM metrics
     WHERE step IS NOT NULL AND value IS NOT NULL AND isfinite(value)
-      AND regexp_matches(key, phase_setting('timing_prefix_regex'))
+      AND regexp_matches(key, _phase_setting('timing_prefix_regex'))
 ), met AS (
     SELECT step, key, arg_min(value, CASE source WHEN 'jsonl' THEN 0 WHEN 'console' THEN 1 ELSE 2 END) AS value
     FROM met_raw GROUP BY step, key
 ), met_total AS (
     SELECT step, max(value) AS step_s FROM met
-    WHERE lower(regexp_replace(key, phase_setting('timing_prefix_regex'), '')) = lower(phase_setting('step_metric'))
+    WHERE lower(regexp_replace(key, _phase_setting('timing_prefix_regex'), '')) = lower(_phase_setting('step_metric'))
     GROUP BY step
 ), met_phase AS (
     SELECT m.step, n.phase, n.sub_phase, n.in_step, sum(m.value) AS seconds
@@ -106,7 +109,7 @@ WITH seg AS (
     SELECT step, start_ts, end_ts FROM phase_log_steps WHERE rank IS NULL
 ), eng AS (
     SELECT w.step, sum(e.seconds) AS seconds
-    FROM phase_engine e ASOF JOIN run_win w ON e.ts >= w.start_ts
+    FROM _phase_engine e ASOF JOIN run_win w ON e.ts >= w.start_ts
     WHERE (w.end_ts IS NULL OR e.ts < w.end_ts) AND e.seconds IS NOT NULL AND e.kind IN ('sleep', 'wake')
     GROUP BY w.step
 ), eng_steps AS (
@@ -169,7 +172,7 @@ WITH p AS (
            sum(wait_s) AS wait_s
     FROM phases GROUP BY rank, step
 ), c AS (
-    SELECT rank, step, sum(late_s) AS late_s FROM phase_collective_matches GROUP BY rank, step
+    SELECT rank, step, sum(late_s) AS late_s FROM _phase_collective_matches GROUP BY rank, step
 )
 SELECT p.*, CASE WHEN p.source = 'kineto' THEN coalesce(c.late_s, 0) END AS late_s
 FROM p
@@ -213,7 +216,7 @@ WITH p AS (
     WHERE s.source <> 'kineto'
     UNION ALL
     SELECT k.rank, k.step, k.phase, k.sub_phase, k.name, k.start_us, k.end_us, 'kineto', false, k.file_id, NULL
-    FROM phase_kineto_segments k WHERE k.phase <> 'idle'
+    FROM _phase_kineto_segments k WHERE k.phase <> 'idle'
 ), met AS (
     SELECT p.rank, p.step, p.phase, p.sub_phase, p.seconds, p.source,
            CASE p.phase WHEN 'rollout' THEN 1 WHEN 'reward' THEN 2 WHEN 'train' THEN 3 WHEN 'sync' THEN 4
@@ -232,7 +235,3 @@ SELECT rank, step, phase, sub_phase, phase || coalesce('/' || sub_phase, '') AS 
        step_start + (coalesce(before_s, 0) + seconds) * 1e6 AS end_us,
        source, true, NULL::INTEGER, NULL::BIGINT
 FROM laid;
-
--- The hash of these view files (forensics.phases._views_sha, which leaves this line out): a
--- database whose macro answers another value holds views from another version.
-CREATE OR REPLACE MACRO phase_views_version() AS '7ef54394589f4196ee2114923e2beb428b9eb3d46b065df983e34ac4f5a1c2cb';

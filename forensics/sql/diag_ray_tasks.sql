@@ -1,3 +1,5 @@
+-- depends: lines
+--
 -- `ray_task_errors`: the headers of Ray task failures as the driver prints them,
 -- `ray.exceptions.RayTaskError(<Exc>): ray::<Class>.<method>() (pid=<p>, ip=<ip>, ...)`, and
 -- `Unhandled error (suppress with 'RAY_IGNORE_UNHANDLED_ERRORS=1'): ray::<Class>.<method>() (pid=...)`

@@ -1,3 +1,5 @@
+-- depends: lines
+--
 -- `watchdog_timeouts`: every PyTorch ProcessGroupNCCL watchdog timeout line
 -- (`[Rank r] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=s, OpType=op, ...,
 -- Timeout(ms)=t) ran for m milliseconds`), in all torch formats (with or without the

@@ -1,3 +1,5 @@
+-- depends: attributed_lines, error_lines, rank_pids
+--
 -- `tail_lines(n := 20, until := NULL)`: a table macro, the last `n` non-blank lines of every
 -- process stream up to and including the time `until` (a TIMESTAMP; NULL = the end of the
 -- run). A stream is one process: its (node, pid) as far as they are known for a line (the

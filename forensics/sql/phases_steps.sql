@@ -1,8 +1,10 @@
+-- depends: _phase_log_markers, _phase_trace, _phase_setting
+--
 -- Phase attribution, step windows: `phase_log_steps`, `phase_profiler_steps`.
 --
 -- * `phase_log_steps(rank, step, start_ts, end_ts, start_us, end_us)`: when each step ran
---   according to the step/phase marker lines (`phase_log_markers`; lines with a time stamp of
---   their own, when there are any): a step starts at its first marker line and ends where the
+--   according to the step/phase marker lines (`step 3: [gen] start`, ...; lines with a time
+--   stamp of their own, when there are any): a step starts at its first marker line and ends where the
 --   next step starts (the last step at its last marker, NULL when it has only one). One row
 --   per rank that printed markers, plus `rank IS NULL` rows for the run as a whole.
 -- * `phase_profiler_steps(file_id, rank, profiler_step, step, step_from, start_us, end_us, step_s)`:
@@ -18,9 +20,9 @@
 CREATE OR REPLACE VIEW phase_log_steps AS
 WITH stamped AS (
     -- lines with a stamp of their own date steps; inherited stamps only when no line has one
-    SELECT * FROM phase_log_markers
+    SELECT * FROM _phase_log_markers
     WHERE step IS NOT NULL
-      AND (NOT ts_inherited OR NOT EXISTS (SELECT 1 FROM phase_log_markers WHERE NOT ts_inherited))
+      AND (NOT ts_inherited OR NOT EXISTS (SELECT 1 FROM _phase_log_markers WHERE NOT ts_inherited))
 ), per AS (
     SELECT rank, step, min(ts) AS first_ts, max(ts) AS last_ts FROM stamped GROUP BY rank, step
 ), run AS (
@@ -39,14 +41,14 @@ FROM w;
 
 CREATE OR REPLACE VIEW phase_profiler_steps AS
 WITH cfg AS (
-    SELECT TRY_CAST(phase_setting('profiler_step_offset') AS BIGINT) AS default_offset,
-           TRY_CAST(phase_setting('align_tolerance_s') AS DOUBLE) AS tol_s
+    SELECT TRY_CAST(_phase_setting('profiler_step_offset') AS BIGINT) AS default_offset,
+           TRY_CAST(_phase_setting('align_tolerance_s') AS DOUBLE) AS tol_s
 ), ps AS (
-    SELECT t.file_id, t.rank, TRY_CAST(regexp_extract(t.name, phase_setting('profiler_step_regex'), 1) AS BIGINT) AS profiler_step,
+    SELECT t.file_id, t.rank, TRY_CAST(regexp_extract(t.name, _phase_setting('profiler_step_regex'), 1) AS BIGINT) AS profiler_step,
            t.start_us, t.end_us
-    FROM phase_trace t
+    FROM _phase_trace t
     WHERE t.source = 'kineto' AND t.ph = 'X' AND t.category = 'user_annotation'
-      AND regexp_matches(t.name, phase_setting('profiler_step_regex'))
+      AND regexp_matches(t.name, _phase_setting('profiler_step_regex'))
 ), ps_b AS (
     SELECT ps.*, ps.start_us + least(cfg.tol_s * 1e6, (ps.end_us - ps.start_us) / 2) AS bound
     FROM ps, cfg

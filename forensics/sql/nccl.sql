@@ -1,3 +1,5 @@
+-- depends: nccl_comms, nccl_colls
+--
 -- `nccl_rank_map`: which rank each process holds, from NCCL communicator lines. One row per
 -- (host, pid) as printed in the NCCL header: `rank` is its rank in its largest communicator
 -- (the world communicator in the usual layout), `ranks` all ranks it holds, `nodes` the node

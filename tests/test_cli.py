@@ -1,0 +1,196 @@
+"""The command line is a thin layer over forensics.api (forensics/cli.py): each command calls
+the API, a user error is one `error:` line with exit status 2, `--version` and `-h` work,
+and the help shows no Python types."""
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.core import TyperArgument, TyperOption
+from typer.testing import CliRunner
+
+import forensics
+from forensics import api, cli
+from forensics.cli import app
+
+CLI_SOURCE = Path(cli.__file__)
+ROOT = typer.main.get_command(app)
+COMMANDS = sorted(ROOT.commands)
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# what typer writes for a parameter's Python type: <bool>, <str>, <int>, <list[str]>, <path>, ...
+PYTHON_TYPE = re.compile(r"<(?:bool|str|int|float|path|datetime|uuid|file|list\[[^>]*\]|tuple\[[^>]*\]|\w+ range)>")
+WIDE = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}  # no type name folded over two lines
+
+
+def api_functions() -> dict[str, object]:
+    return {n: f for n, f in vars(api).items()
+            if inspect.isfunction(f) and f.__module__ == api.__name__ and not n.startswith("_")}
+
+
+def test_the_cli_imports_only_the_api():
+    imported = set()
+    for node in ast.walk(ast.parse(CLI_SOURCE.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            imported |= {f"{node.module}.{a.name}" if node.module else a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("forensics"):
+            imported |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            assert not any(a.name.startswith("forensics") for a in node.names), ast.dump(node)
+    assert imported == {"api", "__version__"}, f"forensics/cli.py imports {sorted(imported)}: call forensics.api instead"
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_command_calls_one_documented_api_function(name):
+    callback = ROOT.commands[name].callback
+    tree = ast.parse(inspect.getsource(callback).lstrip())
+    called = {n.func.attr for n in ast.walk(tree)
+              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+              and isinstance(n.func.value, ast.Name) and n.func.value.id == "api"}
+    functions = api_functions()
+    entry = called & set(functions) - {"render_diagnosis", "render_evaluation"}
+    assert len(entry) == 1, f"forensics {name} calls {sorted(called)} of forensics.api: one entry point wanted"
+    assert inspect.getdoc(functions[entry.pop()])
+
+
+@pytest.mark.parametrize("fn", list(api_functions().values()), ids=lambda f: f.__name__)
+def test_api_functions_are_documented_and_typed(fn):
+    assert inspect.getdoc(fn), f"forensics.api.{fn.__name__} has no docstring"
+    for pname, param in inspect.signature(fn).parameters.items():
+        assert param.annotation is not inspect.Parameter.empty, f"forensics.api.{fn.__name__}({pname}) has no type hint"
+
+
+def test_version():
+    res = CliRunner().invoke(app, ["--version"])
+    assert res.exit_code == 0, res.output
+    assert res.output == f"forensics {forensics.__version__}\n"
+    assert forensics.__version__ == importlib.metadata.version("forensics")  # pyproject.toml says the same
+
+
+@pytest.mark.parametrize("argv", [[]] + [[c] for c in COMMANDS], ids=lambda a: " ".join(a) or "forensics")
+def test_dash_h_is_help(argv):
+    runner = CliRunner(env=WIDE)
+    long, short = runner.invoke(app, [*argv, "--help"]), runner.invoke(app, [*argv, "-h"])
+    assert long.exit_code == short.exit_code == 0, short.output
+    assert short.output == long.output and "Usage: " in short.output
+
+
+def _help_texts() -> dict[str, str]:
+    runner = CliRunner(env=WIDE)
+    return {" ".join(argv) or "forensics": runner.invoke(app, [*argv, "--help"]).output for argv in [[]] + [[c] for c in COMMANDS]}
+
+
+def test_help_shows_no_python_types():
+    for name, text in _help_texts().items():
+        assert not PYTHON_TYPE.search(text), f"forensics {name} --help shows a Python type: {PYTHON_TYPE.search(text).group()}\n{text}"
+
+
+def test_plain_help_shows_no_python_types():
+    """Without rich (TYPER_USE_RICH=0: typer's plain layout) the help says the same."""
+    env = {**os.environ, "TYPER_USE_RICH": "0", **WIDE}
+    for argv in [[]] + [[c] for c in COMMANDS]:
+        p = subprocess.run([sys.executable, "-m", "forensics", *argv, "--help"], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "Usage: " in p.stdout and not PYTHON_TYPE.search(p.stdout), p.stdout
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_value_is_named(name):
+    """An option that takes a value and every argument name it (FILE, N, DIR, ...), as
+    docs/cli.md does: the help shows that name where typer would show the Python type."""
+    for p in ROOT.commands[name].params:
+        if isinstance(p, TyperArgument) or (isinstance(p, TyperOption) and not p.is_flag):
+            assert p.metavar and p.metavar[0].isupper(), f"forensics {name}: {p.opts} has no metavar"
+
+
+def _error_lines(output: str) -> list[str]:
+    return [ln for ln in output.splitlines() if ln.startswith("error:")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["diagnose", "--db", "{tmp}/missing.duckdb"], "no database at"),
+    (["report", "--db", "{tmp}/missing.duckdb", "-o", "{tmp}/r.html"], "no database at"),
+    (["query", "SELECT 1", "--db", "{tmp}/missing.duckdb"], "no database at"),
+    (["export", "--db", "{tmp}/missing.duckdb", "--parquet", "{tmp}/pq"], "no database at"),
+    (["export", "--db", "{tmp}/missing.duckdb"], "nothing to export"),
+    (["query", "SELECT 1", "--format", "xml"], "unknown --format 'xml'"),
+    (["signatures", "-s", "{tmp}/no-such-folder"], "does not exist"),
+    (["evaluate", "{tmp}/no-such-corpus"], "no corpus folder"),
+    (["ingest", "{tmp}/notes.duckdb", "--db", "{tmp}/notes.duckdb"], "cannot open database"),
+])
+def test_a_user_error_is_one_error_line_and_status_2(tmp_path, argv, message):
+    (tmp_path / "notes.duckdb").write_text("not a database\n")
+    res = CliRunner().invoke(app, [a.format(tmp=tmp_path) for a in argv])
+    assert res.exit_code == 2, res.output
+    lines = _error_lines(res.output)
+    assert len(lines) == 1 and message in lines[0], res.output
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+@pytest.fixture(scope="module")
+def small_db(tmp_path_factory) -> Path:
+    db = tmp_path_factory.mktemp("cli") / "run.duckdb"
+    api.ingest(FIXTURES / "diag_gcs_lost", db, workers=1, exclude=["expected.json"]).close()
+    return db
+
+
+def test_an_sql_error_is_a_user_error_with_its_cause_under_debug(small_db):
+    res = CliRunner().invoke(app, ["query", "SELEC 1", "--db", str(small_db)])
+    assert res.exit_code == 2 and _error_lines(res.output)[0].startswith("error: ParserException: "), res.output
+    assert "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["--debug", "query", "SELEC 1", "--db", str(small_db)])
+    assert res.exit_code == 2 and "Traceback (most recent call last)" in res.output and len(_error_lines(res.output)) == 1
+    with pytest.raises(api.ForensicsError, match="ParserException") as exc:
+        api.query(small_db, "SELEC 1")
+    assert type(exc.value.__cause__).__name__ == "ParserException"
+
+
+def test_every_forensics_error_becomes_status_2(monkeypatch, small_db):
+    """The mapping is one place (cli._Group.invoke), whichever command raised it."""
+    def refuse(*args, **kwargs):
+        raise api.ForensicsError("the disk said no")
+
+    for name in ("ingest", "diagnose", "report", "export", "catalogue", "query", "evaluate"):
+        monkeypatch.setattr(api, name, refuse)
+    db = ["--db", str(small_db)]
+    for argv in (["ingest", "logs", *db], ["diagnose", *db], ["report", *db], ["export", "--parquet", "x", *db],
+                 ["signatures"], ["query", "SELECT 1", *db], ["evaluate", "corpus"]):
+        res = CliRunner().invoke(app, argv)
+        assert res.exit_code == 2 and _error_lines(res.output) == ["error: the disk said no"], (argv, res.output)
+
+
+def test_an_internal_error_is_not_a_user_error(monkeypatch, small_db):
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug of ours")
+
+    monkeypatch.setattr(api, "diagnose", bug)
+    res = CliRunner().invoke(app, ["diagnose", "--db", str(small_db)])
+    assert res.exit_code == 1 and isinstance(res.exception, ZeroDivisionError)  # main() prints `internal error:`
+
+
+def test_the_commands_print_what_the_api_returns(small_db, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(app, ["diagnose", "--db", str(small_db)])
+    assert res.exit_code == 0 and api.render_diagnosis(api.diagnose(small_db)) in res.stdout
+    res = runner.invoke(app, ["signatures", "--json"])
+    assert res.exit_code == 0
+    assert len(__import__("json").loads(res.stdout)["rules"]) == len(api.catalogue().rules)
+    from forensics import diagnose as dg
+
+    def limit(run) -> float:  # DuckDB shows it rounded: "18.8 GiB"
+        number, unit = run.sql("SELECT current_setting('memory_limit')").item().split()
+        return float(number) * 1024 ** ("KiB", "MiB", "GiB", "TiB").index(unit)
+
+    with api.open(small_db) as run:
+        before = limit(run)
+        line = run.headline()
+        assert limit(run) == pytest.approx(before, rel=0.01)  # the diagnosis' limit is lifted after it
+    assert line == dg.headline(small_db) and line.startswith("failed: ray_cluster")
