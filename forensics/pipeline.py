@@ -33,8 +33,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
-import polars as pl
-import pyarrow as pa
 
 from . import parsers
 from .parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows, Stopped

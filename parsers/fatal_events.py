@@ -193,14 +193,6 @@ def _canonical(name: str) -> str:
     return "megatron" if low.startswith("megatron") else low
 
 
-LIBRARY = frozenset({*_KNOWN_PACKAGES, "python"})
-
-
-def is_library(package: str | None) -> bool:
-    """Library code: an installed package, a known framework, or the standard library."""
-    return package is not None and package != "user"
-
-
 # ---- events -----------------------------------------------------------------------------
 
 @dataclass
@@ -285,7 +277,6 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
 
     indented = None  # whether this traceback's frame lines are indented (as Python prints them)
     after_frame = False  # the previous line was a frame line
-    after_code = False
     while k < n:
         raw = st.msgs[st.rows[k]]
         m = raw.rstrip()
@@ -295,7 +286,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
         if _TB_HEAD.search(m):
             if state == "message":
                 break  # a new traceback with no chain line: another event
-            state, after_frame, after_code = "expect", False, False
+            state, after_frame = "expect", False
             ev.last, k = k, k + 1
             continue
         c = _CHAIN.match(m)
@@ -303,7 +294,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             if state != "message":
                 break
             part = ev.part("cause" if "direct cause" in c.group("what") else "context")
-            state, after_frame, after_code = "expect", False, False
+            state, after_frame = "expect", False
             ev.last, k = k, k + 1
             continue
         fr = _FRAME.match(m) or _FRAME_NOFUNC.match(m)
@@ -316,7 +307,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             if indented is None:
                 indented = raw[:1] in (" ", "\t")
             part.frames.append({"file": fr.group("file"), "line": int(fr.group("line")), "function": fr.groupdict().get("func"), "code": None})
-            state, after_frame, after_code = "frames", True, False
+            state, after_frame = "frames", True
             ev.last, k = k, k + 1
             continue
         if state == "message":
@@ -378,13 +369,13 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
         if state == "frames" and raw[:1] in (" ", "\t") and (indented or after_frame):
             if part.frames and part.frames[-1]["code"] is None:
                 part.frames[-1]["code"] = m.strip()
-            after_frame, after_code = False, True
+            after_frame = False
             ev.last, k = k, k + 1
             continue
         strict = _EXC_STRICT.match(m)
         if state == "frames" and not indented and after_frame and not strict and not _EXC_LOOSE.match(m) and not _starts_other(m):
             part.frames[-1]["code"] = m.strip()  # the frame's source line, its indentation lost
-            after_frame, after_code = False, True
+            after_frame = False
             ev.last, k = k, k + 1
             continue
         e = strict or (_EXC_LOOSE.match(m) if state == "frames" else None)
@@ -769,7 +760,6 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
 
 
 _RAY_PREFIX = r"^(?:\x1b\[[0-9;]*m)*\((?:[^()\s]+ )?pid=\d+"
-_STARTS_RX = _STARTS  # polars (Rust regex) accepts this syntax too: used as the prefilter
 
 
 def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.DataFrame]:
@@ -783,7 +773,7 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.DataFrame]:
         return none, FATAL_EVENTS.empty()
     msg = df.get_column("message").fill_null("")
     fatal_level = df.get_column("level").fill_null("").is_in(["FATAL"])
-    start = msg.str.contains(_STARTS_RX) | fatal_level
+    start = msg.str.contains(_STARTS) | fatal_level  # the Rust regex of polars takes this syntax too
     if not start.any():
         return none, FATAL_EVENTS.empty()
     # each process's stream of each file is followed apart (a driver log interleaves them):

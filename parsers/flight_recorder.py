@@ -31,7 +31,6 @@ import json
 import pickle
 import pickletools
 import re
-from datetime import datetime, timedelta
 from typing import Any, BinaryIO
 
 import polars as pl

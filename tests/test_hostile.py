@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-import duckdb
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -12,7 +12,6 @@ fires when its `exception` matcher accepts one of the file's fatal events. `requ
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import duckdb
 import pytest

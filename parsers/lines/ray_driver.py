@@ -15,7 +15,7 @@ import re
 
 import polars as pl
 
-from ..base import FileContext, Format, LineFormat, Sniff
+from ..base import Format, LineFormat, Sniff
 from .common import apply_header, g
 
 _WORKER = (

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import math
-from typing import BinaryIO
 
 import orjson
 import polars as pl
 import pyarrow as pa
 
-from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, ParseOutput, Sniff, Table, col
+from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, Sniff, Table, col
 
 METRICS = Table(
     "metrics",
