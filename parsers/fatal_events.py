@@ -762,20 +762,22 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
 _RAY_PREFIX = r"^(?:\x1b\[[0-9;]*m)*\((?:[^()\s]+ )?pid=\d+"
 
 
-def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.DataFrame]:
+def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
     """The fatal events of a lines frame (``file_id``, ``line_no``, ``message``, ``text``, ``level``,
     ``header``, ``pid``, ``rank``, ``actor``, ``node``, ``ts`` columns; rows of one file in line
-    order). Returns the ``event_line`` of every row (null outside events) and the
-    ``fatal_events`` rows."""
+    order). Returns the ``event_line`` of every row (null outside events), the level the
+    event gives its lines (``ERROR``; ``FATAL`` for a native crash or a fatal record; the
+    level of the record that logged it when there is one), and the ``fatal_events`` rows."""
     n = df.height
     none = pl.Series("event_line", [None] * n, dtype=pl.Int64)
+    no_level = pl.Series("event_level", [None] * n, dtype=pl.String)
     if n == 0:
-        return none, FATAL_EVENTS.empty()
+        return none, no_level, FATAL_EVENTS.empty()
     msg = df.get_column("message").fill_null("")
     fatal_level = df.get_column("level").fill_null("").is_in(["FATAL"])
     start = msg.str.contains(_STARTS) | fatal_level  # the Rust regex of polars takes this syntax too
     if not start.any():
-        return none, FATAL_EVENTS.empty()
+        return none, no_level, FATAL_EVENTS.empty()
     # each process's stream of each file is followed apart (a driver log interleaves them):
     # the pid of a Ray line prefix `(Actor pid=N)` or a rank prefix separates streams; the pid a
     # record header prints (glog, Ray C++) does not, since one process's lines carry it or not
@@ -796,6 +798,7 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.DataFrame]:
     fatal = fatal_level.to_list()
     cols = {c: df.get_column(c).to_list() for c in ("file_id", "line_no", "pid", "rank", "actor", "node", "ts")}
     event_line: list[int | None] = [None] * n
+    event_level: list[str | None] = [None] * n
     rows: list[dict] = []
     for idx, starts in zip(groups.get_column("_i").to_list(), groups.get_column("_s").to_list()):
         st = _Stream(idx, msgs, levels, headers)
@@ -813,10 +816,15 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.DataFrame]:
                 k = max(k, k0 + 1)
                 continue
             first_line = cols["line_no"][st.rows[ev.first]]
+            row = _row(ev, st, cols)
+            exc_row = next((r for r in st.rows[ev.first:ev.last + 1] if cols["line_no"][r] == row["exc_line"]), st.rows[ev.first])
+            level = levels[exc_row] or ("FATAL" if ev.kind in ("native", "fatal_log") else "ERROR")
             for j in range(ev.first, ev.last + 1):
                 event_line[st.rows[j]] = first_line
-            rows.append(_row(ev, st, cols))
+                event_level[st.rows[j]] = level
+            rows.append(row)
             k = max(ev.last + 1, k0 + 1)
             p += 1
     events = pl.DataFrame(rows, schema=FATAL_EVENTS.polars_schema) if rows else FATAL_EVENTS.empty()
-    return pl.Series("event_line", event_line, dtype=pl.Int64), events
+    return (pl.Series("event_line", event_line, dtype=pl.Int64), pl.Series("event_level", event_level, dtype=pl.String),
+            events)

@@ -38,7 +38,7 @@ LINES = Table(
         col("byte_offset", pa.int64(), "Byte offset of the line start in the file."),
         col("ts", pa.timestamp("us"), "When the line was written, UTC-naive: printed on the line, or inherited from the nearest earlier stamped line of the file (see `ts_quality`). Null when the file has no stamp before it."),
         col("ts_quality", pa.string(), "`full` (date and time printed), `no_year`/`year_inferred` (the format prints no year: taken from other stamps of the same file, else from the run), `inherited` (the line has no stamp: copied from the nearest earlier stamped line of the same file), or null."),
-        col("level", pa.string(), "Severity normalised to DEBUG/INFO/WARNING/ERROR/FATAL when the header has one."),
+        col("level", pa.string(), "Severity normalised to DEBUG/INFO/WARNING/ERROR/FATAL when the header has one; a line of a fatal event (a traceback, a crash dump) without one takes the event's: ERROR, or FATAL for a native crash or a fatal record."),
         col("header", pa.string(), "Which line header was recognised: ray_py, ray_cpp, glog, glog_bracket, vllm, sglang, pylog, nccl, kernel, ... (null: none)."),
         col("logger", pa.string(), "Source location or logger named by the header (`file.py:123`, `ProcessGroupNCCL.cpp:616`, `raylet`)."),
         col("actor", pa.string(), "Ray actor class / process role (`WorkerDict`, `TaskRunner`, `raylet`, `EngineCore_0`), from the line prefix or the file."),
@@ -255,8 +255,10 @@ def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, 
             if frame is not None and frame.height:
                 extras.setdefault(name, []).append(frame)
     # multi-line events: tracebacks, native crashes, fatal records (their own table too)
-    event_line, events = fatal_events.find_events(df)
-    df = df.with_columns(event_line.alias("event_line"))
+    event_line, event_level, events = fatal_events.find_events(df)
+    # the lines of an error event carry its level: `WHERE level = 'ERROR'` finds the
+    # exception line of a traceback, not only the log records around it
+    df = df.with_columns(event_line.alias("event_line"), pl.coalesce(pl.col("level"), event_level).alias("level"))
     if events.height:
         extras.setdefault(fatal_events.FATAL_EVENTS.name, []).append(events)
     df = mark_continuations(df, always=pl.col("_fmt").is_in(_headed_formats()))
