@@ -387,3 +387,18 @@ def test_wrapped_exception_right_under_its_ray_wrapper():
         The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR
         ''')
     assert (e["exc_type"], e["exc_line"], e["last_line"], e["ray_method"]) == ("ray.exceptions.ActorDiedError", 2, 5, "actor_rollout_update_actor")
+
+
+def test_every_fatal_event_of_the_corpus_has_a_type(ingested_corpus):
+    """Real runs and re-authored bundles: every event names what failed (an exception type,
+    a signal, FATAL for a fatal record, `unknown` only for a traceback cut before its end)."""
+    import duckdb
+
+    for case, db in ingested_corpus.items():
+        con = duckdb.connect(str(db), read_only=True)
+        try:
+            bad = con.execute("SELECT line_no FROM fatal_events WHERE exc_type IS NULL OR exc_type = ''").fetchall()
+            cut = con.execute("SELECT count(*) FROM fatal_events WHERE exc_type = 'unknown' AND NOT cut_off").fetchall()[0][0]
+        finally:
+            con.close()
+        assert not bad and not cut, (case.name, bad)
