@@ -818,7 +818,11 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
             first_line = cols["line_no"][st.rows[ev.first]]
             row = _row(ev, st, cols)
             exc_row = next((r for r in st.rows[ev.first:ev.last + 1] if cols["line_no"][r] == row["exc_line"]), st.rows[ev.first])
-            level = levels[exc_row] or ("FATAL" if ev.kind in ("native", "fatal_log") else "ERROR")
+            # a traceback right under a log record is that record's exc_info (logger.warning(...,
+            # exc_info=True), logger.exception): it has the record's level
+            before = st.rows[ev.first - 1] if ev.first > 0 else None
+            logged = levels[before] if before is not None and headers[before] is not None else None
+            level = levels[exc_row] or logged or ("FATAL" if ev.kind in ("native", "fatal_log") else "ERROR")
             for j in range(ev.first, ev.last + 1):
                 event_line[st.rows[j]] = first_line
                 event_level[st.rows[j]] = level

@@ -402,3 +402,19 @@ def test_every_fatal_event_of_the_corpus_has_a_type(ingested_corpus):
         finally:
             con.close()
         assert not bad and not cut, (case.name, bad)
+
+
+def test_a_traceback_under_a_log_record_takes_its_level():
+    lines, ev = _parse('''
+        2025-10-02 09:05:00,000 WARNING reward.py:40 -- sandbox call failed, retrying
+        Traceback (most recent call last):
+          File "/home/team/rl/sandbox_client.py", line 33, in run_code
+            return requests.post(url, json=payload, timeout=30).json()
+        requests.exceptions.ReadTimeout: Read timed out. (read timeout=30)
+        Traceback (most recent call last):
+          File "/home/team/rl/main.py", line 9, in main
+            fit()
+        ValueError: bad
+        ''')
+    assert lines.filter(pl.col("line_no") == 5)["level"][0] == "WARNING"
+    assert lines.filter(pl.col("line_no") == 9)["level"][0] == "ERROR"
