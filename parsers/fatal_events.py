@@ -46,6 +46,8 @@ FRAME_TYPE = pa.struct([
     pa.field("function", pa.string()),
     pa.field("package", pa.string()),
     pa.field("code", pa.string()),
+    pa.field("at", pa.int64()),
+    pa.field("code_at", pa.int64()),
 ])
 CHAIN_TYPE = pa.struct([
     pa.field("type", pa.string()),
@@ -75,7 +77,7 @@ FATAL_EVENTS = Table(
         col("wrapped_type", pa.string(), "The exception type a Ray wrapper names (`RayTaskError(KeyError)` -> `KeyError`)."),
         col("types", pa.list_(pa.string()), "Every exception type of the event in print order (root first), wrappers and wrapped types included."),
         col("chain", pa.list_(CHAIN_TYPE), "The exceptions of the event in print order: type, message, line, and how each relates to the one before (`cause`, `context`, `remote`, null for the first)."),
-        col("frames", pa.list_(FRAME_TYPE), "Python frames, outermost first within each part (faulthandler stacks are reversed to that order): part index, file, line, function, package (`vllm`, `sglang`, `verl`, `torch`, `ray`, `deepspeed`, `megatron`, `transformers`, `trl`, `openrlhf`, ..., `python` for the standard library, `user` for anything else) and the source line shown."),
+        col("frames", pa.list_(FRAME_TYPE), "Python frames, outermost first within each part (faulthandler stacks are reversed to that order): part index, file, line, function, package (`vllm`, `sglang`, `verl`, `torch`, `ray`, `deepspeed`, `megatron`, `transformers`, `trl`, `openrlhf`, ..., `python` for the standard library, `user` for anything else), the source line shown, and where in the log the frame line (`at`) and its source line (`code_at`) are."),
         col("package", pa.string(), "Package of the innermost frame of the root exception (where it was raised)."),
         col("user_frame", pa.string(), "The innermost frame that is not library code (`my_reward.py:17 in compute_score`), when there is one."),
         col("signal", pa.string(), "Fatal signal of a native crash or an exit (`SIGSEGV`, `SIGKILL`)."),
@@ -90,7 +92,7 @@ FATAL_EVENTS = Table(
         col("node", pa.string(), "Node of that stream."),
         col("ts", pa.timestamp("us"), "Time of the event's first line (see `lines.ts`)."),
         col("lines", pa.int32(), "Number of lines the event spans."),
-        col("cut_off", pa.bool_(), "The text stops before the exception line (a paste or a log cut short): `exc_type` is `unknown`."),
+        col("cut_off", pa.bool_(), "The text stops before the exception line (a paste or a log cut short): `exc_type` is `unknown`, or the type a `raise X(\"...\")` source line in the innermost frame shows (then `message` is that string's start); `exc_line` is the innermost frame's source line."),
     ),
 )
 
@@ -105,6 +107,8 @@ _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<comma>,)
 _FRAME_NOFUNC = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)\s*$')
 _TRUNCATED_FRAME = re.compile(r'^\s*File "[^"]*$')  # a frame line the paste cut off
 _CARET = re.compile(r"^\s*[\^~]+\s*$")
+# a frame's source line that raises: what a traceback cut off before its end was raising
+_RAISE = re.compile(r"""^raise (?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*)\((?:f?["'](?P<msg>[^"']*))?""")
 _EXC_STRICT = re.compile(
     r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)\w*|KeyError|StopIteration))"
     r"(?:\((?P<wrapped>[\w.]+)\))?(?::\s?(?P<msg>.*)|\s*)$")
@@ -306,7 +310,8 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
                     break
             if indented is None:
                 indented = raw[:1] in (" ", "\t")
-            part.frames.append({"file": fr.group("file"), "line": int(fr.group("line")), "function": fr.groupdict().get("func"), "code": None})
+            part.frames.append({"file": fr.group("file"), "line": int(fr.group("line")), "function": fr.groupdict().get("func"),
+                                "code": None, "row": st.rows[k], "code_row": None})
             state, after_frame = "frames", True
             ev.last, k = k, k + 1
             continue
@@ -368,13 +373,13 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             break
         if state == "frames" and raw[:1] in (" ", "\t") and (indented or after_frame):
             if part.frames and part.frames[-1]["code"] is None:
-                part.frames[-1]["code"] = m.strip()
+                part.frames[-1]["code"], part.frames[-1]["code_row"] = m.strip(), st.rows[k]
             after_frame = False
             ev.last, k = k, k + 1
             continue
         strict = _EXC_STRICT.match(m)
         if state == "frames" and not indented and after_frame and not strict and not _EXC_LOOSE.match(m) and not _starts_other(m):
-            part.frames[-1]["code"] = m.strip()  # the frame's source line, its indentation lost
+            part.frames[-1]["code"], part.frames[-1]["code_row"] = m.strip(), st.rows[k]  # the frame's source line, its indentation lost
             after_frame = False
             ev.last, k = k, k + 1
             continue
@@ -546,6 +551,8 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
     if _TB_HEAD.search(m):
         ev = _Event("python", k)
         ev.part()
+        if not m.lstrip().startswith("Traceback"):
+            ev.exc_row = row  # `Scheduler hit an exception: Traceback ...`: the line says what happened
         return ev, _python_event(st, k, ev)
     rep = _REPORTED.match(m)
     if rep:
@@ -663,13 +670,16 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
 
 # ---- building the table --------------------------------------------------------------------
 
-def _frame_rows(parts: list[_Part]) -> list[dict]:
+def _frame_rows(parts: list[_Part], line_nos: list) -> list[dict]:
     out = []
     for i, p in enumerate(parts):
         frames = list(reversed(p.frames)) if p.reverse_frames else p.frames
         for f in frames:
+            at, code_at = f.get("row"), f.get("code_row")
             out.append({"part": i, "file": f["file"], "line": f["line"], "function": f["function"],
-                        "package": frame_package(f["file"]), "code": f["code"]})
+                        "package": frame_package(f["file"]), "code": f.get("code"),
+                        "at": int(line_nos[at]) if at is not None else None,
+                        "code_at": int(line_nos[code_at]) if code_at is not None else None})
     return out
 
 
@@ -678,7 +688,7 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
     r1 = st.rows[max(ev.last, ev.first)]
     parts = [p for p in ev.parts if p.type or p.frames or p.message]
     typed = [p for p in parts if p.type]
-    frames = _frame_rows(parts)
+    frames = _frame_rows(parts, cols["line_no"])
     # the root: the first exception of the chain (Python prints the original cause first);
     # a Ray wrapper gives way to the remote exception it carries
     root = typed[0] if typed else (parts[0] if parts else _Part())
@@ -697,11 +707,21 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
         break
     exc_type = root.type
     cut_off = False
+    innermost_row = None
     if exc_type is None:
         if ev.kind == "fatal_log":
             exc_type = "FATAL"  # a fatal log record: no exception type, its severity
         elif ev.kind in ("python", "cpp"):
             exc_type, cut_off = "unknown", True
+            # the text stops inside the traceback: the innermost frame shown is where it failed,
+            # and a `raise X("...")` source line there says what it raised
+            inner = next((f for p in reversed(parts) for f in reversed(p.frames) if "row" in f), None)
+            if inner is not None:
+                innermost_row = inner["code_row"] if inner.get("code_row") is not None else inner["row"]
+                r = _RAISE.match(inner.get("code") or "")
+                if r:
+                    exc_type = r.group("type")
+                    root = _Part(type=exc_type, message=(r.group("msg") or "").strip() or None, line_no=inner["code_row"])
     last = typed[-1] if typed else None
     outer = last if last is not None and last.type not in (exc_type, None) and last is not root \
         and not _is_ray_wrapper(last) else None
@@ -723,6 +743,8 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
     # the remote exception), else the first line that showed one
     exc_row = root.line_no if ev.kind == "python" and root.line_no is not None else \
         (ev.exc_row if ev.exc_row is not None else r0)
+    if cut_off and innermost_row is not None and ev.wrapper != "ray_task" and ev.exc_row is None:
+        exc_row = root.line_no if root.line_no is not None else innermost_row
     message = root.message or (ev.fatal_text if ev.kind == "native" else None)
     ray = ev.ray or {}
     return {

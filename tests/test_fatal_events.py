@@ -418,3 +418,19 @@ def test_a_traceback_under_a_log_record_takes_its_level():
         ''')
     assert lines.filter(pl.col("line_no") == 5)["level"][0] == "WARNING"
     assert lines.filter(pl.col("line_no") == 9)["level"][0] == "ERROR"
+
+
+def test_a_cut_off_traceback_cites_its_innermost_frame_and_what_it_raises():
+    e = _one('''
+        Traceback (most recent call last):
+          File "/env/site-packages/transformers/training_args.py", line 1652, in _setup_devices
+            torch.cuda.set_device(device)
+          File "/env/site-packages/torch/cuda/__init__.py", line 399, in set_device
+        ''')
+    assert (e["exc_type"], e["cut_off"], e["exc_line"]) == ("unknown", True, 4)
+    e = _one('''
+          File "/env/site-packages/vllm/v1/core/kv_cache_utils.py", line 686, in check_enough_kv_cache_memory
+            raise ValueError("No available memory for the cache blocks. "
+                             "Try increasing `gpu_memory_utilization` when "
+        ''')
+    assert (e["exc_type"], e["message"], e["cut_off"], e["exc_line"]) == ("ValueError", "No available memory for the cache blocks.", True, 2)

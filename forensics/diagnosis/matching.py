@@ -152,7 +152,7 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
 
 EVENT_COLUMNS = ("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "exc_name", "message", "outer_type",
                  "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "user_frame", "signal",
-                 "ray_actor", "ray_method", "ray_pid", "actor")
+                 "ray_actor", "ray_method", "ray_pid", "actor", "cut_off")
 QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")  # a traceback logged at these levels was handled
 # how fatal_events marks an exception Python reported and went on from (at garbage
 # collection or exit, in an asyncio task nobody awaited): not a failure of the run
@@ -244,12 +244,58 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
                     file_pid=e["file_pid"], text=e["l_text"])
+            cited = _matched_frame_line(r.exception, e)
+            if cited is not None and cited != h.line_no:
+                h.line_no = cited  # no exception line: the frame that says what failed
+                row = con.execute("SELECT message, text FROM lines WHERE file_id = ? AND line_no = ?", [e["file_id"], cited]).fetchone()
+                if row:
+                    h.message, h.text = row[0] or "", row[1]
             h.event = e
             if e["exc_type"]:
                 h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
             if e["ray_pid"] is not None and e["ray_actor"] not in driver:
                 h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
+            out.append(h)
+        out += _raised_hits(cat, e)
+    return out
+
+
+def _matched_frame_line(m: ExceptionMatch, e: dict) -> int | None:
+    """For a traceback cut off before its exception line, the line of the first frame (or
+    its source line) that the matcher's ``frames`` pattern names: what says what failed.
+    Not when the event has a line that states the failure (a Ray task's failure header,
+    `Scheduler hit an exception: ...`): that line is cited."""
+    if not e["cut_off"] or not m.frames:
+        return None
+    frame_lines = {x for f in e.get("frames") or [] for x in (f.get("at"), f.get("code_at")) if x is not None}
+    if e["exc_line"] not in frame_lines:
+        return None
+    for f in e.get("frames") or []:
+        if re.search(m.frames, f"{f.get('file')}:{f.get('function')}") and f.get("at") is not None:
+            return f["at"]
+        if f.get("code") and re.search(m.frames, f["code"]) and f.get("code_at") is not None:
+            return f["code_at"]
+    return None
+
+
+def _raised_hits(cat: Catalogue, e: dict) -> list[Hit]:
+    """A traceback cut off before its exception line, whose innermost frame shows a
+    ``raise X("...")``: the line rules read ``X: ...`` as the exception line the text lost."""
+    if not e["cut_off"] or e["exc_type"] in (None, "unknown") or not e["message"]:
+        return []
+    text = f"{e['exc_type']}: {e['message']}"
+    out = []
+    for r in cat.rules:
+        if not r.patterns or r.role not in ("cause", "fallback", "symptom"):
+            continue
+        if any(re.search(p, text) for p in r.patterns) and not any(re.search(p, text) for p in r.negative):
+            h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
+                    ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
+                    node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=text, file_pid=e["file_pid"],
+                    text=e["l_text"], line_message=e["l_message"])
+            h.event = e
+            extract(h)
             out.append(h)
     return out
 
