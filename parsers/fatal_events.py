@@ -127,6 +127,12 @@ _UNHANDLED = re.compile(r"Unhandled exception: (?P<type>\S+?)\.? what: (?P<msg>.
 _CPP_STACK = re.compile(r"^\*\*\* (?:StackTrace Information|Check failure stack trace:) \*\*\*\s*$|^Exception raised from .* \(most recent call first\):\s*$")
 _CPP_FRAME = re.compile(r"^\s*frame #\d+: |^\s+\S.*(?:\(\)|\+0x[0-9a-f]+\)?|\) \[0x[0-9a-f]+\])\s*$|^\s+(?:main|__libc_start_main|_start|clone)\s*$")
 _HYDRA = re.compile(r"^Error executing job with overrides: ")
+# IPython / Jupyter: `ValueError      Traceback (most recent call last)`, numbered source lines
+# with `--->` at the one that ran, frames as `File path:N, in f(...)` or `path.py in f(...)`
+_IPY_HEAD = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)\s{2,}Traceback \(most recent call last\)\s*$")
+_IPY_FRAME = re.compile(r"^(?:File (?P<f1>\S+?):(?P<l1>\d+), in (?P<fn1>[^(\s]+)|(?P<f2>\S+\.pyx?|<ipython-input-[^>]+>) in (?P<fn2>[^(\s]+)"
+                        r"|Cell In\s?\[\d+\], line (?P<l3>\d+))")
+_IPY_SOURCE = re.compile(r"^\s*(?:-*>\s*)?\d+\s|^\s*\d+ frames?\s*$|^-{10,}\s*$|^\s*\.\.\.\s*$")
 # an exception Python (or asyncio, or a thread) reports and goes on: at garbage collection or
 # interpreter exit, in an atexit hook, in a thread that is not the main one
 _REPORTED = re.compile(r"^(?P<what>Exception ignored in|Error in atexit\._run_exitfuncs|Exception in thread|"
@@ -146,6 +152,7 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"\*\*\* SIG|Fatal Python error|terminate called after throwing|Unhandled exception: |^\s*what\(\):|"
            r"StackTrace Information|Check failure stack trace|Error executing job with overrides|"
            r"^Exception ignored in|^Error in atexit|^Exception in thread|^Task exception was never retrieved|^Exception in callback|"
+           r"\s{2,}Traceback \(most recent call last\)\s*$|"
            r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
            r"exit(?:ed)? with (?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
@@ -532,6 +539,45 @@ def _cpp_event(st: _Stream, k: int, ev: _Event) -> int:
     return k
 
 
+def _ipython_event(st: _Stream, k: int, ev: _Event, head_type: str) -> int:
+    """An IPython / Jupyter traceback: the header names the type; frames are ``File path:N,
+    in f(...)`` (or ``path.py in f(...)``) blocks of numbered source lines, ``---->`` at the
+    line that ran; the exception line ends it."""
+    n = len(st.rows)
+    part = ev.part()
+    ev.last = k
+    k += 1
+    while k < n:
+        m = st.msg(k)
+        fr = _IPY_FRAME.match(m)
+        if fr:
+            file = fr.group("f1") or fr.group("f2") or "<cell>"
+            line = fr.group("l1") or fr.group("l3") or 0
+            part.frames.append({"file": file, "line": int(line), "function": fr.group("fn1") or fr.group("fn2"),
+                                "code": None, "row": st.rows[k], "code_row": None})
+            ev.last, k = k, k + 1
+            continue
+        if _IPY_SOURCE.match(m):
+            if "->" in m and part.frames:  # the line that ran
+                part.frames[-1]["code"] = re.sub(r"^\s*-*>\s*\d+\s", "", m).strip()
+                part.frames[-1]["code_row"] = st.rows[k]
+            ev.last, k = k, k + 1
+            continue
+        if _blank(m):
+            k += 1
+            continue
+        e = _EXC_STRICT.match(m) or _EXC_LOOSE.match(m)
+        if e and _plausible_type(e.group("type")):
+            _set_exception(ev, part, e, st.rows[k])
+            ev.last, k = k, k + 1
+            return _python_event(st, k, ev, "message")
+        break
+    if part.type is None:  # cut off: the header named the type
+        part.type, part.line_no = head_type, st.rows[ev.first]
+        ev.exc_row = st.rows[ev.first]
+    return k
+
+
 def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int]:
     """The event starting at position ``k`` of the stream (None when none starts there)."""
     m = st.msg(k)
@@ -554,6 +600,10 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
         if not m.lstrip().startswith("Traceback"):
             ev.exc_row = row  # `Scheduler hit an exception: Traceback ...`: the line says what happened
         return ev, _python_event(st, k, ev)
+    ipy = _IPY_HEAD.match(m)
+    if ipy:
+        ev = _Event("python", k)
+        return ev, _ipython_event(st, k, ev, ipy.group("type"))
     rep = _REPORTED.match(m)
     if rep:
         # the report's first line, then its traceback (or, for `Exception ignored in`, the

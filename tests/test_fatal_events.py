@@ -434,3 +434,22 @@ def test_a_cut_off_traceback_cites_its_innermost_frame_and_what_it_raises():
                              "Try increasing `gpu_memory_utilization` when "
         ''')
     assert (e["exc_type"], e["message"], e["cut_off"], e["exc_line"]) == ("ValueError", "No available memory for the cache blocks.", True, 2)
+
+
+def test_ipython_traceback_layout():
+    e = _one('''
+        ---------------------------------------------------------------------------
+        ValueError                                Traceback (most recent call last)
+        <ipython-input-41-5fa4> in <cell line: 14>()
+             12 )
+        ---> 14 trainer = Trainer(config=config, dataset=ds)
+
+        3 frames
+        /usr/local/lib/python3.10/dist-packages/torch/utils/data/sampler.py in __init__(self, data_source, replacement)
+            142         if not isinstance(self.num_samples, int) or self.num_samples <= 0:
+        --> 143             raise ValueError(f"num_samples should be a positive integer value, but got num_samples={self.num_samples}")
+
+        ValueError: num_samples should be a positive integer value, but got num_samples=0
+        ''')
+    assert (e["exc_type"], e["line_no"], e["exc_line"], e["package"]) == ("ValueError", 2, 12, "torch")
+    assert e["frames"][-1]["function"] == "__init__" and e["frames"][-1]["code"].startswith("raise ValueError")

@@ -37,6 +37,7 @@ CHILD_FAILURES = Table(
 
 _TEE = r"^(?P<h>\[(?P<role>[A-Za-z_]+?)(?P<lr>\d+)\]:)"
 _RANK = r"^(?P<h>\[rank(?P<rank>\d+)\]: ?)"
+_CLIPPED_RANK = r"^(?P<h>rank(?P<rank>\d+)\]: ?)"
 _PATH_RANK = re.compile(r"(?:^|/)attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|json)$")
 
 
@@ -52,6 +53,9 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
                       prefilter=starts & ~pl.col("message").str.contains(r"^\[rank\d+\]:"))
     df = apply_header(df, _RANK, None, {"rank": g("rank").cast(pl.Int32)}, only_unset=False,
                       prefilter=pl.col("message").str.starts_with("[rank"))
+    # a paste that starts inside a prefix: its first line lost the `[` (`rank2]: TypeError ...`)
+    df = apply_header(df, _CLIPPED_RANK, None, {"rank": g("rank").cast(pl.Int32)}, only_unset=False,
+                      prefilter=(pl.col("line_no") == 1) & pl.col("message").str.starts_with("rank"))
     extra = {}
     if df.get_column("message").str.contains("ChildFailedError", literal=True).any() or df.get_column("message").str.contains("Root Cause (first observed failure)", literal=True).any():
         extra["child_failures"] = child_failures(df)
