@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 import venv
@@ -17,8 +18,13 @@ REPO = Path(__file__).resolve().parent.parent
 def wheel(tmp_path_factory) -> Path:
     pytest.importorskip("setuptools")
     out = tmp_path_factory.mktemp("wheel")
+    # built from a copy of the project's own files: an in-tree build would leave a build/
+    # folder in the checkout whose stale files a later `pip install .` would install too
+    src = tmp_path_factory.mktemp("src") / "forensics"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info",
+                                                            "__pycache__", ".pytest_cache", "bench", "tests", "examples"))
     # the installed setuptools, no download: the build must work from the project's own files
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
                        capture_output=True, text=True, cwd=out)
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = out.glob("forensics-*.whl")
@@ -32,6 +38,12 @@ def test_wheel_has_one_top_level_package(wheel):
     assert "forensics/parsers/__init__.py" in names and "forensics/parsers/text.py" in names
     assert "forensics/signatures/classes.yaml" in names  # the rules, as package data
     assert any(n.startswith("forensics/sql/") and n.endswith(".sql") for n in names)
+    # every module of the source tree is in the wheel (a sub-package left out of pyproject's
+    # list would be missing from a plain `pip install .` while an editable one still works)
+    want = {f"forensics/{p.relative_to(REPO / 'forensics').as_posix()}" for p in (REPO / "forensics").rglob("*.py")}
+    want |= {f"forensics/parsers/{p.relative_to(REPO / 'parsers').as_posix()}" for p in (REPO / "parsers").rglob("*.py")}
+    missing = sorted(w for w in want if "__pycache__" not in w and w not in names)
+    assert not missing, f"not in the wheel: {missing}"
 
 
 def test_installed_wheel_has_no_top_level_parsers(wheel, tmp_path):
