@@ -293,10 +293,11 @@ def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", tit
         raise ForensicsError(f"cannot write {output}: {exc}") from exc
 
 
-def diagnose(db: str | os.PathLike, signatures: Iterable[str] = ()) -> "Diagnosis":
+def diagnose(db: str | os.PathLike, signatures: Iterable[str] = (), context: int = 0) -> "Diagnosis":
     """Diagnose the run(s) in ``db`` (``forensics diagnose``): a ``diagnose.Diagnosis``
     whose ``.to_dict()`` is the ``--json`` object of ../shared/contract.md and which
     :func:`render_diagnosis` writes as text. ``signatures``: folders of extra rule files.
+    ``context``: the lines around each root cause's first evidence line (``--context N``).
     Reads with DuckDB's memory limit of ``FORENSICS_DB_MEMORY`` (default 256MB)."""
     from . import catalogue as sig
     from . import diagnose as dg
@@ -304,7 +305,7 @@ def diagnose(db: str | os.PathLike, signatures: Iterable[str] = ()) -> "Diagnosi
     if not os.path.exists(db):
         raise _no_database(db)
     try:
-        return dg.diagnose(db, list(signatures))
+        return dg.diagnose(db, list(signatures), context=max(0, int(context)))
     except sig.SignatureError as exc:
         raise ForensicsError(f"signature catalogue: {exc}") from exc
     except dg.NothingToDiagnose as exc:

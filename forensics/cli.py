@@ -331,13 +331,14 @@ def diagnose(
     db: str = DB_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the diagnosis as JSON (see contract.md)."),
     signatures: List[str] = SIGNATURES_OPTION,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every evidence line of every root cause."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every evidence line of every root cause, whole, and the root cause's traceback."),
+    context: int = typer.Option(0, "--context", "-C", metavar="N", min=0, help="Show N lines of the file before and after the first evidence line."),
 ) -> None:
     """Classify what went wrong in the ingested run: root cause with evidence, cascade, remediation.
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
-    result = api.diagnose(db, signatures)
+    result = api.diagnose(db, signatures, context=context)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
         return

@@ -194,3 +194,22 @@ def test_the_commands_print_what_the_api_returns(small_db, tmp_path):
         line = run.headline()
         assert limit(run) == pytest.approx(before, rel=0.01)  # the diagnosis' limit is lifted after it
     assert line == dg.headline(small_db) and line.startswith("failed: ray_cluster")
+
+
+def test_diagnose_context_shows_the_lines_around_the_evidence(tmp_path):
+    from typer.testing import CliRunner
+
+    from forensics.cli import app
+
+    log = tmp_path / "run" / "w.err"
+    log.parent.mkdir()
+    log.write_text("step 1\nstep 2\nTraceback (most recent call last):\n  File \"/x/t.py\", line 3, in f\n    g()\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\nafter\n")
+    db = str(tmp_path / "r.duckdb")
+    assert CliRunner().invoke(app, ["ingest", str(log.parent), "--db", db]).exit_code == 0
+    r = CliRunner().invoke(app, ["diagnose", "--db", db, "-v", "--context", "2"])
+    assert r.exit_code == 0, r.output
+    assert ">      6 | torch.OutOfMemoryError" in r.output and "       4 |   File" in r.output and "       7 | after" in r.output
+    r = CliRunner().invoke(app, ["diagnose", "--db", db, "--json", "-C", "1"])
+    ctx = __import__("json").loads(r.output)["root_causes"][0]["evidence"][0]["context"]
+    assert [c["line"] for c in ctx] == [5, 6, 7]

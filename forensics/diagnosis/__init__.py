@@ -54,9 +54,11 @@ def ensure_views(con: duckdb.DuckDBPyConnection) -> None:
 
 def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] = (), *,
              con: duckdb.DuckDBPyConnection | None = None, catalogue: Catalogue | None = None,
-             performance: bool = True) -> Diagnosis:
+             performance: bool = True, context: int = 0) -> Diagnosis:
     """Diagnose the run(s) in the database ``db`` (or the open connection ``con``).
-    ``performance``: also compute the performance findings (stragglers, slow sync, ...)."""
+    ``performance``: also compute the performance findings (stragglers, slow sync, ...).
+    ``context``: give each root cause's first evidence line the ``context`` lines of its
+    file before and after it."""
     t0 = time.perf_counter()
     cat = catalogue or sig.load(signature_dirs)
     own = con is None
@@ -72,6 +74,8 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
             raise
     try:
         d = run(Context(con, cat, performance))
+        if context > 0:
+            explain.add_context(con, d, context)
     finally:
         if own:
             con.close()

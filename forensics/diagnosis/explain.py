@@ -221,6 +221,19 @@ def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
     return f"{r.key}{why}" if why else r.key
 
 
+def add_context(con: duckdb.DuckDBPyConnection, d: Diagnosis, n: int) -> None:
+    """The ``n`` lines before and after each root cause's first evidence line (its file's
+    physical lines, as stored: the text without the recognised prefixes)."""
+    for rc in d.root_causes:
+        if not rc.evidence or rc.evidence[0].line is None:
+            continue
+        e = rc.evidence[0]
+        e.context = [(int(a), b or "") for a, b in con.execute(
+            """SELECT l.line_no, l.text FROM lines l JOIN files f USING (file_id)
+               WHERE f.path = ? AND l.line_no BETWEEN ? AND ? ORDER BY l.line_no""",
+            [e.file, max(1, e.line - n), e.line + n]).fetchall()]
+
+
 # -- text output ---------------------------------------------------------------------------
 
 def render(d: Diagnosis, verbose: bool = False) -> str:
@@ -252,7 +265,11 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             for j, e in enumerate(r.evidence if (i == 0 or verbose) else r.evidence[:1]):
                 ts = f" [{e.ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}]" if e.ts else ""
                 lines.append(f"  {'evidence' if j == 0 else '        '}: {e.file}:{e.line}{ts}")
-                lines.append(f"            {e.text if verbose else clip(e.text, 200)}")
+                if e.context:
+                    for n, text in e.context:
+                        lines.append(f"      {'>' if n == e.line else ' '} {n:>6} | {text if verbose else clip(text, 200)}")
+                else:
+                    lines.append(f"            {e.text if verbose else clip(e.text, 200)}")
             if verbose and r.exception:
                 x = r.exception
                 lines.append(f"  traceback: {x.get('file')}:{x.get('first_line')}-{x.get('last_line')}"

@@ -39,9 +39,12 @@ class Evidence:
     ts: str | None = None
     ts_quality: str | None = None
     rule: str | None = None
+    context: list[tuple[int, str]] | None = None  # (line, text) around it, when asked for
 
     def to_dict(self) -> dict:
         d = {"file": self.file, "line": self.line, "text": self.text}
+        if self.context:
+            d["context"] = [{"line": n, "text": t} for n, t in self.context]
         if self.ts:
             d["ts"] = self.ts
         if self.ts_quality:
