@@ -44,7 +44,7 @@ LINES = Table(
         col("actor", pa.string(), "Ray actor class / process role (`WorkerDict`, `TaskRunner`, `raylet`, `EngineCore_0`), from the line prefix or the file."),
         col("pid", pa.int64(), "Process id, from the line prefix/header or the file name."),
         col("tid", pa.int64(), "Thread id when the header prints one."),
-        col("node", pa.string(), "Host name or IP of the process that wrote the line, when known."),
+        col("node", pa.string(), "Host name or IP of the process that wrote the line, when known (for lines copied by `docker compose logs` or `kubectl logs --prefix`: the service or pod the prefix names)."),
         col("rank", pa.int32(), "Global rank, from a `[rankN]:` prefix, the file path or the header."),
         col("local_rank", pa.int32(), "Local rank from a torchrun `[defaultN]:` tee prefix."),
         col("repeat", pa.int32(), "Ray log deduplication: the line stands for this many (`[repeated Nx across cluster]`)."),
@@ -240,6 +240,23 @@ def mark_continuations(df: pl.DataFrame, always: pl.Expr | bool = False) -> pl.D
     )
 
 
+# who wrote a line: the columns a line of a multi-line event takes from its first line
+_WRITER = ("rank", "local_rank", "pid", "actor", "node")
+
+
+def inherit_from_event(df: pl.DataFrame) -> pl.DataFrame:
+    """The lines of a multi-line event (a traceback's frames, a record's continuation
+    lines) were written by the process that wrote its first line: where a line names no
+    rank, pid, actor or node of its own, it takes its event's first line's. (A traceback
+    under an ``[... TP0]`` header: its frames are TP0's too.) An event whose first line lies
+    in an earlier chunk is left as it is."""
+    if not df.select(pl.col("event_line").is_not_null().any()).item():
+        return df
+    heads = df.select("file_id", pl.col("line_no").alias("event_line"), *(pl.col(c).alias(f"_e_{c}") for c in _WRITER))
+    joined = df.join(heads, on=["file_id", "event_line"], how="left", maintain_order="left")
+    return joined.with_columns(pl.coalesce(c, f"_e_{c}").alias(c) for c in _WRITER).drop(f"_e_{c}" for c in _WRITER)
+
+
 def _headed_formats() -> list[str]:
     """The formats whose every record starts with a header (see :func:`mark_continuations`)."""
     return [f.name for f in registry.formats() if f.headed]
@@ -262,6 +279,7 @@ def annotate_chunk(df: pl.DataFrame, cctx: ChunkContext) -> tuple[pl.DataFrame, 
     if events.height:
         extras.setdefault(fatal_events.FATAL_EVENTS.name, []).append(events)
     df = mark_continuations(df, always=pl.col("_fmt").is_in(_headed_formats()))
+    df = inherit_from_event(df)
     df = _finish_timestamps(df, cctx)
     unparsed = df.group_by("file_id").agg(
         (pl.col("header").is_null() & pl.col("event_line").is_null() & pl.col("message").str.strip_chars().ne("")).sum().alias("u"),

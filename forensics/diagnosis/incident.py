@@ -2,6 +2,7 @@
 the cascade it set off (its symptoms), and the other concrete causes seen beside it."""
 from __future__ import annotations
 
+import re
 from collections import Counter, defaultdict
 from datetime import datetime
 
@@ -209,6 +210,24 @@ def missing_rank(ctx: Context, hits: list[Hit], facts: RunFacts, timeouts: tuple
     return missing
 
 
+# a rank written into an exception's message: c10d's "[PG ID 0 PG GUID 0(default_pg) Rank 5]"
+# (older: "[PG 0 Rank 5]"), "[Rank 5]", "[rank5]". A process group's prefix prints the rank in
+# that group: only the default group's (id 0) is the global rank.
+_RANK_IN_MESSAGE = re.compile(r"\[(?:PG (?:ID )?(?P<pg>\d+)\b[^\]]*?\b)?[Rr]ank[ _]?(?P<rank>\d+)\]")
+
+
+def rank_in_exception(ctx: Context, root: Event) -> int | None:
+    """The one global rank the root cause's exception message names (a C++ ``what()``
+    carried into the Python exception names its process group's rank), or None."""
+    found = fatal_event_of(ctx, root)
+    if found is None:
+        return None
+    e, _ = found
+    text = " ".join(filter(None, (e.get("message"), e.get("outer_message"))))
+    ranks = {int(m["rank"]) for m in _RANK_IN_MESSAGE.finditer(text) if m["pg"] in (None, "0")}
+    return ranks.pop() if len(ranks) == 1 else None
+
+
 def root_rank(ctx: Context, root: Event, hits: list[Hit], facts: RunFacts, pool: list[Event]) -> tuple[int | None, str | None]:
     """The global rank of the root cause, from the most direct evidence available."""
     origin = root.origin
@@ -216,6 +235,9 @@ def root_rank(ctx: Context, root: Event, hits: list[Hit], facts: RunFacts, pool:
     for h in ordered:  # printed on the line or named in its text
         if h.rank is not None and h.rank_source in ("line", "text"):
             return h.rank, h.rank_source
+    r = rank_in_exception(ctx, root)  # a rank the exception names ("[PG 3 Rank 5] Watchdog caught ...")
+    if r is not None:
+        return r, "text"
     for h in ordered:  # the nearest line of the same process that prints a rank
         r = facts.nearest_rank(h)
         if r is not None:

@@ -42,7 +42,7 @@ def apply_header(
     matching row satisfies; the regex then runs on those rows only. The work is done on
     the matching rows and scattered back, so its cost follows the matches, not the chunk.
     """
-    cond = pl.lit(True)
+    cond = pl.repeat(True, pl.len())  # one value per row (a bare literal would give one index)
     if only_unset:
         cond = pl.col("header").is_null()
     if prefilter is not None:

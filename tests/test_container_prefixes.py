@@ -1,0 +1,83 @@
+"""Lines copied by container tools (parsers/lines/containers.py): the ``docker compose``
+and ``kubectl logs --prefix`` prefixes are stripped and name the line's node, so that the
+headers and tracebacks behind them are read; and the helpers that work relies on."""
+from __future__ import annotations
+
+import io
+
+import polars as pl
+
+from forensics.parsers.base import FileContext
+from forensics.parsers.lines.common import apply_header, g
+from forensics.parsers.text import inherit_from_event, parse_text
+
+
+def _parse(text: str, path: str = "run.log"):
+    ctx = FileContext(file_id=1, path=path, size=len(text), fmt="text")
+    out: dict[str, list[pl.DataFrame]] = {}
+    for name, frame in parse_text(io.BytesIO(text.encode()), ctx):
+        out.setdefault(name, []).append(frame)
+    return {k: pl.concat(v, how="vertical_relaxed") for k, v in out.items()}
+
+
+COMPOSE = (
+    "rollout-1  | [2025-03-28 09:14:24 TP0] Capture cuda graph begin. avail mem=7.96 GB\n"
+    "trainer-1  | 2025-03-28 09:14:25,001 ERROR verl.trainer - rollout server not ready\n"
+    "rollout-1  | Traceback (most recent call last):\n"
+    "rollout-1  |   File \"/usr/local/lib/python3.11/site-packages/sglang/srt/model_executor/model_runner.py\", line 902, in init_cuda_graphs\n"
+    "rollout-1  |     self.cuda_graph_runner = CudaGraphRunner(self)\n"
+    "rollout-1  | RuntimeError: Triton Error [CUDA]: an illegal instruction was encountered\n"
+)
+
+
+def test_compose_prefix_is_stripped_and_names_the_node():
+    t = _parse(COMPOSE)
+    lines = t["lines"].sort("line_no")
+    assert lines["node"].to_list() == ["rollout-1", "trainer-1", "rollout-1", "rollout-1", "rollout-1", "rollout-1"]
+    assert lines["message"][0].startswith("Capture cuda graph begin")  # the SGLang header was read behind it
+    assert lines["level"][1] == "ERROR"
+    ev = t["fatal_events"].row(0, named=True)
+    assert ev["exc_type"] == "RuntimeError" and ev["line_no"] == 3 and ev["exc_line"] == 6
+    assert [f["function"] for f in ev["frames"]] == ["init_cuda_graphs"]
+
+
+def test_kubectl_prefix():
+    text = ("[pod/verl-worker-0/main] 2025-03-28 09:14:25,001 - verl.trainer - INFO - step 1\n"
+            "[pod/verl-worker-1/main] 2025-03-28 09:14:25,002 - verl.trainer - WARNING - slow\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["node"].to_list() == ["verl-worker-0", "verl-worker-1"]
+    assert lines["level"].to_list() == ["INFO", "WARNING"]
+    assert lines["message"].to_list() == ["step 1", "slow"]
+
+
+def test_a_prefix_on_few_lines_is_text():
+    # a table printed by a program: one row looks like a compose prefix, most do not
+    text = "name | value\nrow-1 | 3\nlr | 0.1\nbatch | 64\nepochs | 2\n"
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["message"][1] == "row-1 | 3" and lines["node"].is_null().all()
+
+
+def test_apply_header_without_conditions_reads_every_row():
+    # regression: with only_unset=False and no prefilter the condition was one literal,
+    # whose arg_where gave one index, and only the first row was read
+    df = pl.DataFrame({"message": ["a-1 | x", "b-2 | y", "c-3 | z"], "header": [None, "pylog", None],
+                       "node": [None, None, None]}, schema_overrides={"header": pl.String, "node": pl.String})
+    out = apply_header(df, r"^(?P<h>(?P<svc>\w-\d) \| )", None, {"node": g("svc")}, only_unset=False)
+    assert out["node"].to_list() == ["a-1", "b-2", "c-3"]
+    assert out["message"].to_list() == ["x", "y", "z"]
+
+
+def test_lines_of_an_event_take_its_writer():
+    df = pl.DataFrame({
+        "file_id": [1, 1, 1, 1, 2],
+        "line_no": [1, 2, 3, 4, 1],
+        "event_line": [None, 2, 2, 2, 1],
+        "rank": [None, 3, None, 4, None],
+        "local_rank": [None] * 5, "pid": [None, 77, None, None, None],
+        "actor": [None] * 5, "node": [None, "n1", None, None, None],
+    }, schema_overrides={"rank": pl.Int64, "local_rank": pl.Int64, "pid": pl.Int64, "actor": pl.String, "node": pl.String})
+    out = inherit_from_event(df)
+    assert out["rank"].to_list() == [None, 3, 3, 4, None]  # a line's own rank wins
+    assert out["pid"].to_list() == [None, 77, 77, 77, None]
+    assert out["node"].to_list() == [None, "n1", "n1", "n1", None]  # another file's event is its own
+    assert out.columns == df.columns and out["line_no"].to_list() == df["line_no"].to_list()
