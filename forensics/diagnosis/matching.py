@@ -153,7 +153,8 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
 EVENT_COLUMNS = ("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "exc_name", "message", "outer_type",
                  "outer_message", "wrapper", "wrapped_type", "types", "chain", "frames", "package", "user_frame", "signal",
                  "ray_actor", "ray_method", "ray_pid", "actor", "cut_off")
-QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")  # a traceback logged at these levels was handled
+# a traceback logged at these levels, after which its process logged more, was handled
+QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
 # how fatal_events marks an exception Python reported and went on from (at garbage
 # collection or exit, in an asyncio task nobody awaited): not a failure of the run
 SURVIVED = ("ignored", "atexit", "asyncio")
@@ -214,13 +215,20 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
     rows = con.execute(
         f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
-                   l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text
+                   l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
+                   coalesce(w.last_record > e.last_line, false) AS went_on
             FROM fatal_events e JOIN files f USING (file_id)
             LEFT JOIN lines l ON l.file_id = e.file_id AND l.line_no = e.exc_line
+            -- the last log record its process wrote in the file (a line with a header of its
+            -- own, outside any event): did the process go on after the exception?
+            LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
+                       WHERE header IS NOT NULL AND event_line IS NULL
+                         AND file_id IN (SELECT file_id FROM fatal_events)
+                       GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
             ORDER BY e.file_id, e.line_no""").fetchall()
     driver = set(cat.causality.driver_actors)
     names = [*EVENT_COLUMNS, "path", "format", "file_pid", "ts", "ts_quality", "level", "header", "l_actor", "l_pid",
-             "l_node", "l_rank", "l_message", "l_text"]
+             "l_node", "l_rank", "l_message", "l_text", "went_on"]
     out: list[Hit] = []
     for row in rows:
         e = dict(zip(names, row))
@@ -234,8 +242,8 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             return memo[rx]
 
         for r in rules:
-            if r.generic and (e["level"] in QUIET_LEVELS):
-                continue  # logged and survived: not an exception that ended anything
+            if r.generic and e["level"] in QUIET_LEVELS and e["went_on"]:
+                continue  # logged, and its process logged more: not an exception that ended anything
             if e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper:
                 continue
             if not event_matches(r.exception, e, preceded):
