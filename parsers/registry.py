@@ -37,7 +37,7 @@ ENTRY_POINT_GROUP = "forensics.formats"
 # module name, the order the schema was always listed in). The order in which rules are
 # tried and line formats run is their declared priority / order, not this list's.
 BUILTIN = (
-    "flight_recorder", "lines.containers", "lines.headers", "lines.kernel", "kineto", "lines.nccl", "lines.ray_driver",
+    "flight_recorder", "lines.containers", "lines.launchers", "lines.headers", "lines.kernel", "kineto", "lines.nccl", "lines.ray_driver",
     "lines.ray_logs", "ray_timeline", "text", "lines.torch_distributed", "lines.torchrun",
     "lines.verl_metrics", "lines.vllm",
 )

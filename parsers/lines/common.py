@@ -68,6 +68,20 @@ def apply_header(
     return df.with_columns(out)
 
 
+def strip_prefix_of_most_lines(df: pl.DataFrame, pattern: str, fields: dict[str, pl.Expr]) -> pl.DataFrame:
+    """Strip the prefix ``pattern`` (as :func:`apply_header`, setting ``fields``) in the
+    files of the frame where it begins at least half of the non-empty lines: a tool that
+    prefixes every line it copies (a container runtime, a launcher) does so on all of
+    them, while a line of some other file may start the same way by chance (a table row,
+    ``ValueError: ...``). A frame holds many files: the share is counted per file."""
+    msg = pl.col("message")
+    hit = msg.str.contains(pattern)
+    if not df.select(hit.any()).item():
+        return df
+    mostly = hit.sum().over("file_id") * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")
+    return apply_header(df, pattern, None, fields, only_unset=False, prefilter=mostly)
+
+
 def g(name: str) -> pl.Expr:
     """The named group ``name`` of the current header match."""
     return pl.col("_m").struct.field(name)

@@ -15,23 +15,15 @@ from __future__ import annotations
 import polars as pl
 
 from ..base import LineFormat
-from .common import apply_header, coalesce_into, g
+from .common import coalesce_into, g, strip_prefix_of_most_lines
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
 
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
-    msg = pl.col("message")
-    written = (msg.str.len_bytes() > 0).sum().over("file_id")
     for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod"))):
-        hit = msg.str.contains(pattern)
-        if not df.select(hit.any()).item():
-            continue
-        # the files of the chunk (a batch holds many) whose lines mostly carry the prefix
-        mostly = hit.sum().over("file_id") * 2 >= written
-        df = apply_header(df, pattern, None, {"node": coalesce_into("node", node)}, only_unset=False,
-                          prefilter=mostly)
+        df = strip_prefix_of_most_lines(df, pattern, {"node": coalesce_into("node", node)})
     return df, {}
 
 

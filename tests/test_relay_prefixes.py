@@ -1,6 +1,8 @@
-"""Lines copied by container tools (parsers/lines/containers.py): the ``docker compose``
-and ``kubectl logs --prefix`` prefixes are stripped and name the line's node, so that the
-headers and tracebacks behind them are read; and the helpers that work relies on."""
+"""Lines relayed by container tools (parsers/lines/containers.py: ``docker compose``,
+``kubectl logs --prefix``) and by multi-node launchers (parsers/lines/launchers.py:
+``mpirun --tag-output``, pdsh / DeepSpeed, ``srun --label``): the prefix is stripped and
+names the line's node or rank, so that the headers and tracebacks behind it are read; and
+the helpers that work relies on."""
 from __future__ import annotations
 
 import io
@@ -55,6 +57,40 @@ def test_a_prefix_on_few_lines_is_text():
     text = "name | value\nrow-1 | 3\nlr | 0.1\nbatch | 64\nepochs | 2\n"
     lines = _parse(text)["lines"].sort("line_no")
     assert lines["message"][1] == "row-1 | 3" and lines["node"].is_null().all()
+
+
+def test_mpi_tag_output_names_the_rank():
+    text = ("[1,1]<stderr>:Traceback (most recent call last):\n"
+            "[1,1]<stderr>:  File \"/work/train.py\", line 88, in <module>\n"
+            "[1,1]<stderr>:    out = model(batch)\n"
+            "[1,1]<stderr>:torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB.\n"
+            "[1,0]<stdout>:step 10 loss 1.23\n")
+    t = _parse(text)
+    lines = t["lines"].sort("line_no")
+    assert lines["rank"].to_list() == [1, 1, 1, 1, 0]
+    assert lines["message"][4] == "step 10 loss 1.23"
+    ev = t["fatal_events"].row(0, named=True)
+    assert ev["exc_type"] == "torch.OutOfMemoryError" and ev["exc_line"] == 4
+
+
+def test_pdsh_host_prefix_reveals_the_rank_prefix_behind_it():
+    text = ("worker-1: [2025-04-01 10:00:00,010] [INFO] [launch.py:256:main] process 4413 spawned\n"
+            "worker-0: [rank0]:[E401 10:30:00.000000000 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught "
+            "collective operation timeout: WorkNCCL(SeqNum=20, OpType=ALLREDUCE) ran for 1800011 milliseconds\n"
+            "10.0.0.7: Traceback (most recent call last):\n"
+            "10.0.0.7:   File \"/x/train.py\", line 3, in <module>\n"
+            "10.0.0.7: KeyError: 'prompt'\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["node"].to_list() == ["worker-1", "worker-0", "10.0.0.7", "10.0.0.7", "10.0.0.7"]
+    assert lines["rank"][1] == 0 and lines["level"][1] == "ERROR"
+    assert lines["message"][4] == "KeyError: 'prompt'"
+
+
+def test_a_word_and_colon_is_not_a_host():
+    # exception and level words hold no digit: never a launcher's host name
+    text = "ValueError: bad\nINFO: started\nWARNING: slow\nRuntimeError: x\n"
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["node"].is_null().all() and lines["message"][0] == "ValueError: bad"
 
 
 def test_apply_header_without_conditions_reads_every_row():

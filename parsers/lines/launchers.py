@@ -1,0 +1,32 @@
+"""Prefixes that multi-node launchers put in front of every line they relay.
+
+* Open MPI ``mpirun --tag-output``: ``[<job>,<rank>]<stdout>:`` / ``<stderr>:`` — the
+  MPI world rank, kept in ``rank``;
+* ``pdsh`` (DeepSpeed's multi-node runner) and ``srun --label``: ``<host>: `` or
+  ``<task>: `` — the host (or Slurm task number) the line came from, kept in ``node``
+  where the line names none. The name must hold a digit (``worker-1``, ``10.0.0.3``,
+  ``gpu-node07``, ``3``), which keeps ``ValueError:`` and ``INFO:`` out.
+
+As with container prefixes, a prefix is stripped only in a file where it begins most
+lines, so that the headers, rank prefixes and tracebacks behind it are read.
+"""
+from __future__ import annotations
+
+import polars as pl
+
+from ..base import LineFormat
+from .common import coalesce_into, g, strip_prefix_of_most_lines
+
+_MPI_TAG = r"^(?P<h>\[(?P<job>\d+),(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?)"
+_HOST = r"^(?P<h> *(?P<host>[A-Za-z0-9._-]*\d[A-Za-z0-9._-]*): )"
+
+
+def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
+    df = strip_prefix_of_most_lines(df, _MPI_TAG, {"rank": coalesce_into("rank", g("rank").cast(pl.Int32))})
+    df = strip_prefix_of_most_lines(df, _HOST, {"node": coalesce_into("node", g("host"))})
+    return df, {}
+
+
+FORMATS = (
+    LineFormat("launchers", 6, annotate),  # after container prefixes, before every header
+)
