@@ -88,6 +88,9 @@ WHERE_KEYS = {"header", "format", "level", "path", "actor", "in_traceback", "log
 EXCEPTION_KEYS = {"type", "not_type", "message", "not_message", "raised_in", "not_raised_in", "frames", "not_frames",
                   "kind", "signal", "method", "actor", "preceded_by", "wrapper", "not_wrapper"}
 EXAMPLE_KEYS = {"match", "no_match"}
+# what rules may ask of the run beside other rules: ``run:<software>`` when the run holds
+# logs of that software (forensics.diagnosis.facts.run_traits)
+TRAIT_PREFIX = "run:"
 CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "missing_rank", "unexplained",
                   "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific"}
 NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
@@ -394,7 +397,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
     ids = {r.id for r in rules}
     for r in rules:
         for other in (*r.requires, *r.class_if_present):
-            if other not in ids:
+            if other not in ids and not other.startswith(TRAIT_PREFIX):
                 raise SignatureError(f"{r.source}: rule {r.id}: refers to unknown rule {other!r}")
     for name, conf in detectors.items():
         if isinstance(conf, dict) and conf.get("class") is not None and conf["class"] not in class_infos:

@@ -266,7 +266,9 @@ class Format:
     ``headed``: every record of such a file starts with a header, so a line without one
     continues the record above it. ``own_output``: the file is what one process (or the
     kernel) wrote itself, not a driver's prefixed copy of many: the diagnosis cites its
-    line before a copy of the same failure elsewhere."""
+    line before a copy of the same failure elsewhere. ``software``: whose logs these are
+    (``"ray"``): a run with such a file has the trait ``run:<software>``, which rules can
+    ask for (docs/signatures.md)."""
 
     name: str
     kind: str
@@ -277,6 +279,7 @@ class Format:
     direct: bool = False
     headed: bool = False
     own_output: bool = False
+    software: str | None = None
 
     def __post_init__(self):
         if isinstance(self.sniff, Sniff):

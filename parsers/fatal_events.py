@@ -141,10 +141,17 @@ _REPORTED_WRAPPER = {"Exception ignored in": "ignored", "Error in atexit._run_ex
                      "Exception in thread": "thread", "Task exception was never retrieved": "asyncio",
                      "Exception in callback": "asyncio"}
 _DEBUGGER = re.compile(r"^(?:Exception has occurred|发生异常|例外が発生しました): (?P<type>[\w.]+)")
+# how a shell names the signal that ended a process
+_SIGNAL_WORDS = "Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed"
+_SIGNAL_OF_WORD = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
+                   "Illegal instruction": "SIGILL", "Floating point exception": "SIGFPE", "Killed": "SIGKILL"}
 _EXIT = re.compile(
     r"(?:exit(?:ed)? with (?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
     r"|^(?P<segv>Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception)(?: \(core dumped\))?\s*$"
-    r"|^(?P<killed>Killed)\s*$")
+    r"|^(?P<killed>Killed)\s*$"
+    # bash's report of a job a signal ended: `./run.sh: line 12:  1188 Killed   python ...`,
+    # interactively `[1]+  Killed   python ...`
+    r"|^(?:\S+: line \d+: +\d+ |\[\d+\][+-]? +)(?P<jobsig>" + _SIGNAL_WORDS + r")(?: \(core dumped\))?(?:\s|$)")
 _PROGRESS = re.compile(r"\d+%\|[^|]*\||\d+it/s\]|\[\d+:\d+<")
 _SIGNAL_EXIT = re.compile(r"Signal (?P<num>\d+) \((?P<sig>SIG[A-Z]+)\) received")
 
@@ -157,6 +164,7 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
            r"exit(?:ed)? with (?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
            r"^(?:Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed)|"
+           r"^\S+: line \d+: +\d+ (?:" + _SIGNAL_WORDS + r")|^\[\d+\][+-]? +(?:" + _SIGNAL_WORDS + r")|"
            r"^\s*(?:PC: )?@\s+0x")
 
 # Where a frame's file lives: the package it belongs to. Installed code sits under
@@ -702,11 +710,8 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
         ev.exc_row = row
         if code is not None:
             ev.exit_code = int(code)
-        elif x.group("killed"):
-            ev.signal = "SIGKILL"
         else:
-            ev.signal = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
-                         "Illegal instruction": "SIGILL", "Floating point exception": "SIGFPE"}[x.group("segv")]
+            ev.signal = _SIGNAL_OF_WORD[x.group("killed") or x.group("segv") or x.group("jobsig")]
         sig = _SIGNAL_EXIT.search(m)
         if sig:
             ev.signal = sig.group("sig")

@@ -61,5 +61,5 @@ def _is_timeline(h) -> bool:
 
 FORMATS = (
     Format("ray_timeline", "structured", parse=parse_timeline, tables=(TRACE_EVENTS, TRACE_META),
-           sniff=Sniff(750, _is_timeline)),
+           sniff=Sniff(750, _is_timeline), software="ray"),
 )

@@ -264,6 +264,18 @@ def test_hydra_wrapper_and_exit_codes():
     assert rows[0]["line_no"] == 1 and rows[0]["exc_line"] == 5
 
 
+def test_a_shell_reports_the_signal_that_ended_a_job():
+    _, ev = _parse('''
+        step:2 - actor/pg_loss:0.19
+        ./run.sh: line 12:  1188 Killed                  python -m verl.trainer.main_ppo data.train_files=/d
+        [1]+  Segmentation fault (core dumped) python serve.py
+        Killed process 4411 (python) total-vm:81234kB
+        the job was Killed by the operator, see the ticket
+        ''')
+    rows = list(ev.iter_rows(named=True))
+    assert [(r["line_no"], r["kind"], r["signal"]) for r in rows] == [(2, "exit", "SIGKILL"), (3, "exit", "SIGSEGV")]
+
+
 def test_traceback_cut_off_before_its_exception():
     e = _one('''
         [2025-02-24 14:09:34 TP14] Scheduler hit an exception: Traceback (most recent call last):

@@ -88,9 +88,11 @@ def test_pdsh_host_prefix_reveals_the_rank_prefix_behind_it():
 
 def test_a_word_and_colon_is_not_a_host():
     # exception and level words hold no digit: never a launcher's host name
-    text = "ValueError: bad\nINFO: started\nWARNING: slow\nRuntimeError: x\n"
+    text = ("ValueError: bad\nINFO: started\nvllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue\n"
+            "vllm.v1.engine.exceptions.EngineDeadError: again\n")
     lines = _parse(text)["lines"].sort("line_no")
     assert lines["node"].is_null().all() and lines["message"][0] == "ValueError: bad"
+    assert lines["message"][2].startswith("vllm.v1.engine.exceptions.EngineDeadError: ")
 
 
 def test_apply_header_without_conditions_reads_every_row():

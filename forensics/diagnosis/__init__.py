@@ -105,7 +105,7 @@ def run(ctx: Context) -> Diagnosis:
     placement.attach_bodies(ctx, hits)
     placement.attach_ts_hi(ctx, hits)
     placement.place(ctx, hits, facts)
-    hits = selection.resolve_classes(hits)
+    hits = selection.resolve_classes(hits, facts.traits)
     alarms = detectors.run(con, ctx.cat.metric_detectors)
     notes: list[str] = []
     findings = explain.line_findings(ctx, hits) + (explain.performance_findings(ctx, notes) if ctx.performance else [])

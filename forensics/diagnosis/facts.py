@@ -10,12 +10,25 @@ from typing import Any, Iterable
 
 import duckdb
 
-from ..catalogue import Catalogue
+from ..catalogue import TRAIT_PREFIX, Catalogue
+from ..parsers import registry
 from .model import Hit
 
 
 def sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
+
+
+def run_traits(formats: Counter) -> set[str]:
+    """What the run is made of, as rules ask for it (``requires: [run:ray]``,
+    ``class_if_present: {run:ray: ...}``): ``run:<software>`` for every software whose
+    logs it holds, as the formats declare it (:attr:`forensics.parsers.base.Format.software`)."""
+    out = set()
+    for name in formats:
+        fmt = registry.format_named(name)
+        if fmt is not None and fmt.software:
+            out.add(TRAIT_PREFIX + fmt.software)
+    return out
 
 
 def table_exists(con, name: str) -> bool:
@@ -43,6 +56,7 @@ class RunFacts:
         self._load_nodes()
         self._load_ranks()
         self.formats = Counter(dict(con.execute("SELECT format, count(*) FROM files GROUP BY format").fetchall()))
+        self.traits = run_traits(self.formats)
         self.has_nccl_lines = bool(con.execute("SELECT count(*) FROM lines WHERE header = 'nccl'").fetchall()[0][0])
         self.devices_vary = int(con.execute(
             r"""SELECT count(DISTINCT regexp_extract(text, '[\w.\-]+:\d+:\d+ \[(\d+)\] ', 1)) FROM lines

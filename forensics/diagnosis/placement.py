@@ -148,6 +148,9 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
                     break
         if ph is None and h.proc is not None and h.proc in task_methods:
             ph, src = ctx.phase_of(task_methods[h.proc]), "ray_task"
+        if ph is None and h.actor:  # the role the actor plays (a reference model only runs forwards)
+            ph = ctx.phase_of(h.actor)
+            src = "actor" if ph else None
         if ph is None and h.event_line is None:  # what the line itself talks about ("tool calls")
             ph = ctx.phase_of(h.message)
             src = "message" if ph else None

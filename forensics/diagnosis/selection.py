@@ -27,11 +27,12 @@ from .model import Event, Hit
 ROLE_RANK = {"cause": 0, "fallback": 1, "symptom": 2, "stop": 3, "end": 4, "finding": 5, "context": 6}
 
 
-def resolve_classes(hits: list[Hit]) -> list[Hit]:
+def resolve_classes(hits: list[Hit], traits: set[str] = frozenset()) -> list[Hit]:
     """Apply event_context / requires / class_if_present / class_by_phase; drop hits
     whose conditions fail, and generic causes of events a specific rule explains. A line
     matched by rules of several roles keeps the strongest role only (an OOM line is not
-    also a watchdog's symptom)."""
+    also a watchdog's symptom). ``traits``: what the run is made of (``run:ray``), which
+    ``requires`` and ``class_if_present`` may name as they name rules."""
     kept: list[Hit] = []
     for h in hits:
         r = h.rule
@@ -40,7 +41,7 @@ def resolve_classes(hits: list[Hit]) -> list[Hit]:
             if not any(re.search(p, text) for p in r.event_context):
                 continue
         kept.append(h)
-    present = {h.rule.id for h in kept}
+    present = {h.rule.id for h in kept} | set(traits)
     out = []
     for h in kept:
         r = h.rule

@@ -68,17 +68,20 @@ def apply_header(
     return df.with_columns(out)
 
 
-def strip_prefix_of_most_lines(df: pl.DataFrame, pattern: str, fields: dict[str, pl.Expr]) -> pl.DataFrame:
+def strip_prefix_of_most_lines(df: pl.DataFrame, pattern: str, fields: dict[str, pl.Expr], min_lines: int = 1) -> pl.DataFrame:
     """Strip the prefix ``pattern`` (as :func:`apply_header`, setting ``fields``) in the
     files of the frame where it begins at least half of the non-empty lines: a tool that
     prefixes every line it copies (a container runtime, a launcher) does so on all of
     them, while a line of some other file may start the same way by chance (a table row,
-    ``ValueError: ...``). A frame holds many files: the share is counted per file."""
+    ``ValueError: ...``). A frame holds many files: the share is counted per file.
+    ``min_lines``: how many lines of the file must carry it at least (for a loose prefix,
+    which one line of a paste alone could show by chance)."""
     msg = pl.col("message")
     hit = msg.str.contains(pattern)
     if not df.select(hit.any()).item():
         return df
-    mostly = hit.sum().over("file_id") * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")
+    hits = hit.sum().over("file_id")
+    mostly = (hits * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")) & (hits >= min_lines)
     return apply_header(df, pattern, None, fields, only_unset=False, prefilter=mostly)
 
 

@@ -4,8 +4,10 @@
   MPI world rank, kept in ``rank``;
 * ``pdsh`` (DeepSpeed's multi-node runner) and ``srun --label``: ``<host>: `` or
   ``<task>: `` — the host (or Slurm task number) the line came from, kept in ``node``
-  where the line names none. The name must hold a digit (``worker-1``, ``10.0.0.3``,
-  ``gpu-node07``, ``3``), which keeps ``ValueError:`` and ``INFO:`` out.
+  where the line names none. The name is a lower-case host name or address that holds a
+  digit (``worker-1``, ``10.0.0.3``, ``gpu-node07``, ``3``), which keeps ``ValueError:``,
+  ``INFO:`` and ``vllm.v1.engine.exceptions.EngineDeadError:`` out, and at least two lines
+  must carry it.
 
 As with container prefixes, a prefix is stripped only in a file where it begins most
 lines, so that the headers, rank prefixes and tracebacks behind it are read.
@@ -18,12 +20,12 @@ from ..base import LineFormat
 from .common import coalesce_into, g, strip_prefix_of_most_lines
 
 _MPI_TAG = r"^(?P<h>\[(?P<job>\d+),(?P<rank>\d+)\]<(?:stdout|stderr|stddiag)>: ?)"
-_HOST = r"^(?P<h> *(?P<host>[A-Za-z0-9._-]*\d[A-Za-z0-9._-]*): )"
+_HOST = r"^(?P<h> *(?P<host>[a-z0-9._-]*[0-9][a-z0-9._-]*): )"
 
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     df = strip_prefix_of_most_lines(df, _MPI_TAG, {"rank": coalesce_into("rank", g("rank").cast(pl.Int32))})
-    df = strip_prefix_of_most_lines(df, _HOST, {"node": coalesce_into("node", g("host"))})
+    df = strip_prefix_of_most_lines(df, _HOST, {"node": coalesce_into("node", g("host"))}, min_lines=2)
     return df, {}
 
 

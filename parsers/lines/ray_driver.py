@@ -47,5 +47,5 @@ DRIVER_LINE = re.compile(rb"\n(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?pid=\d+(?:, ip
 FORMATS = (
     LineFormat("ray_driver", 10, annotate),  # first: the prefix hides every header behind it
     # a few prefixed lines make a driver log (the rest is the driver's own output)
-    Format("driver", "text", sniff=Sniff(280, lambda h: h.count(DRIVER_LINE) >= 3)),
+    Format("driver", "text", sniff=Sniff(280, lambda h: h.count(DRIVER_LINE) >= 3), software="ray"),
 )

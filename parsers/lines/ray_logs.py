@@ -111,6 +111,7 @@ _OWN = ("ray_worker", "ray_raylet", "ray_gcs_server", "ray_monitor")
 
 FORMATS = (
     LineFormat("ray_logs", 30, annotate),
-    *(Format(fmt, "text", sniff=_named(fmt), hints=process_hints, headed=fmt in _HEADED, own_output=fmt in _OWN)
+    *(Format(fmt, "text", sniff=_named(fmt), hints=process_hints, headed=fmt in _HEADED, own_output=fmt in _OWN,
+             software="ray")
       for fmt in ("ray_worker", "ray_core_worker", "ray_events", *(f"ray_{d}" for d in DAEMONS))),
 )
