@@ -57,3 +57,37 @@ def test_readme_sql_finds_the_root_cause_line(sample_db):
             if any(t.strip() and t.strip() in ev.text for t in texts):
                 found_text = True
     assert line_queries and found_line and found_text
+
+
+def _cli(*argv: str):
+    from typer.testing import CliRunner
+
+    from forensics.cli import app
+
+    return CliRunner(env={"COLUMNS": "100"}).invoke(app, list(argv))
+
+
+def test_verbose_shows_evidence_lines_whole(tmp_path):
+    tail = " ".join(f"part{i}" for i in range(120))  # ~900 characters
+    log = tmp_path / "logs" / "train.log"
+    log.parent.mkdir()
+    log.write_text("step:1 - actor/loss:0.5\nTraceback (most recent call last):\n"
+                   '  File "/work/train.py", line 3, in <module>\n    main()\n'
+                   f"RuntimeError: reward server answered garbage {tail}\n")
+    db = str(tmp_path / "x.duckdb")
+    forensics.ingest(str(log.parent), db=db, workers=1).close()
+    line = f"RuntimeError: reward server answered garbage {tail}"
+    short = _cli("diagnose", "--db", db)
+    assert short.exit_code == 0, short.output
+    assert line not in short.output and "\u2026" in short.output
+    full = _cli("diagnose", "--db", db, "-v")
+    assert full.exit_code == 0, full.output
+    assert line in full.output  # on one line, not cut, not wrapped
+    with_context = _cli("diagnose", "--db", db, "-v", "-C", "2")
+    assert line in with_context.output
+
+
+def test_ingest_headline_of_logs_that_stop(tmp_path):
+    res = _cli("ingest", str(ROOT / "tests" / "fixtures" / "diag_incomplete_no_end"), "--db", str(tmp_path / "i.duckdb"), "-q")
+    assert res.exit_code == 0, res.output
+    assert "diagnosis: incomplete: no failure found; the logs stop at step 3 without an end-of-run marker" in res.output
