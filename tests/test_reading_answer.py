@@ -3,6 +3,7 @@ one time estimate per event, `diagnose -v` shows whole lines, the `incomplete` h
 remediation that respects what the run set."""
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -91,3 +92,61 @@ def test_ingest_headline_of_logs_that_stop(tmp_path):
     res = _cli("ingest", str(ROOT / "tests" / "fixtures" / "diag_incomplete_no_end"), "--db", str(tmp_path / "i.duckdb"), "-q")
     assert res.exit_code == 0, res.output
     assert "diagnosis: incomplete: no failure found; the logs stop at step 3 without an end-of-run marker" in res.output
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+OOM = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.11 GiB"
+
+
+def test_one_time_estimate_for_diagnose_json_notes_and_report(tmp_path):
+    _write(tmp_path / "logs" / "worker.log",
+           "2026-03-01 10:31:59,120 INFO trainer started\nTraceback (most recent call last):\n"
+           '  File "/work/train.py", line 3, in <module>\n    main()\n'
+           f"{OOM}\n2026-03-01 10:41:59,001 INFO worker shutting down\n")
+    db = str(tmp_path / "t.duckdb")
+    forensics.ingest(str(tmp_path / "logs"), db=db, workers=1).close()
+    d = api.diagnose(db).to_dict()
+    rc = d["root_causes"][0]
+    ev = rc["evidence"][0]
+    assert (ev["file"], ev["line"]) == ("worker.log", 5)
+    when = "between 2026-03-01 10:31:59 and 2026-03-01 10:41:59"
+    assert ev["ts"].startswith("2026-03-01 10:31:59") and ev["ts_hi"].startswith("2026-03-01 10:41:59") and ev["when"] == when
+    assert any(when in n for n in rc["notes"])  # the note says what the evidence says
+    text = _cli("diagnose", "--db", db).output
+    assert f"worker.log:5 [{when}" in text
+    html = (tmp_path / "r.html")
+    api.report(db, str(html))
+    assert when in html.read_text()  # the report shows the same estimate
+
+
+def test_no_placeholder_year(tmp_path):
+    """vLLM prints no year; a run with no full stamp anywhere takes the file's modification year, and says so."""
+    import os
+    from datetime import datetime
+
+    log = _write(tmp_path / "logs" / "engine.log",
+                 "INFO 11-30 01:05:26 [api_utils.py:286] non-default args: {'max_model_len': 32768}\n"
+                 "ERROR 11-30 01:06:00 [core.py:708] EngineCore failed to start.\n"
+                 "Traceback (most recent call last):\n"
+                 '  File "/usr/lib/python3/site-packages/vllm/v1/engine/core.py", line 699, in run_engine_core\n'
+                 "    engine_core = EngineCoreProc(*args, **kwargs)\n"
+                 f"{OOM}\n")
+    stamp = datetime(2025, 6, 1, 12, 0).timestamp()  # before 30 November: the log is of 2024
+    os.utime(log, (stamp, stamp))
+    db = str(tmp_path / "y.duckdb")
+    forensics.ingest(str(tmp_path / "logs"), db=db, workers=1).close()
+    d = api.diagnose(db)
+    for rc in d.root_causes:
+        for e in rc.evidence:
+            assert not (e.ts or "").startswith("2000"), e
+    payload = d.to_dict()
+    ev = payload["root_causes"][0]["evidence"][0]
+    assert ev["ts"].startswith("2024-11-30 01:06:0") and ev["year"] == "file_mtime"
+    text = _cli("diagnose", "--db", db).output
+    assert "2000-" not in text and "year from the file's modification time" in text
+    assert "2000-" not in json.dumps(payload)

@@ -11,24 +11,23 @@ from typing import Any
 import duckdb
 
 from ..catalogue import Remedy
+from . import times
 from .context import Context
 from .facts import RunConfig, RunFacts
 from .model import HEALTHY, INCOMPLETE, Diagnosis, Event, Evidence, Finding, Hit, clip
 
 
-def time_notes(ctx: Context, root: Event, origin: Hit) -> list[str]:
+def time_notes(ctx: Context, root: Event, origin: Hit, when: "times.When") -> list[str]:
+    """What to know of the root cause's time (``when``: its estimate, as its evidence shows it)."""
     if origin.alarm is not None:
         return []
-    if root.precise_any:
-        q = next(h.ts_quality for h in root.hits if h.precise)
-        if q in ("year_inferred", "no_year"):
-            return ["the root cause's time is printed without a year; the year was inferred from other stamps of the run"]
-        return []
-    if root.lo is not None:
-        when = (f"between {root.lo:%Y-%m-%d %H:%M:%S} and {root.hi:%Y-%m-%d %H:%M:%S}" if root.hi
-                else f"at or after {root.lo:%Y-%m-%d %H:%M:%S}")
-        return [f"the root-cause line carries no timestamp of its own: it happened {when} "
-                "(times taken from neighbouring lines; the order was decided with that uncertainty)"]
+    year = when.year_note()
+    if when.stamped:
+        return [f"the root cause's time is printed without a year; {year}"] if year else []
+    if when.lo is not None or when.hi is not None:
+        return [f"the root-cause line carries no timestamp of its own: it happened {when.text()} "
+                "(times taken from neighbouring lines; the order was decided with that uncertainty)"
+                + (f"; {year}" if year else "")]
     return ["the root-cause line has no timestamp and none could be inferred; the order of events was taken from file positions"]
 
 
@@ -164,7 +163,7 @@ def line_findings(ctx: Context, hits: list[Hit]) -> list[Finding]:
         hs.sort(key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
         ranks = {h.rank for h in hs if h.rank is not None}
         detail = (describe(hs[0]) or hs[0].rule.title or fid) + f" ({len(hs)} line(s))"
-        out.append(Finding(fid, next(iter(ranks)) if len(ranks) == 1 else None, detail, [hs[0].evidence()]))
+        out.append(Finding(fid, next(iter(ranks)) if len(ranks) == 1 else None, detail, [times.evidence(ctx.con, hs[0])]))
     return out
 
 
@@ -263,7 +262,10 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             if r.summary:
                 lines.append(f"  {r.summary}")
             for j, e in enumerate(r.evidence if (i == 0 or verbose) else r.evidence[:1]):
-                ts = f" [{e.ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}]" if e.ts else ""
+                shown_ts = e.when or e.ts
+                year = {"file_mtime": "year from the file's modification time", "unknown": "year unknown",
+                        "inferred": "year inferred"}.get(e.year or "")
+                ts = f" [{shown_ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}{', ' + year if year else ''}]" if shown_ts else ""
                 lines.append(f"  {'evidence' if j == 0 else '        '}: {e.file}:{e.line}{ts}")
                 if e.context:
                     for n, text in e.context:

@@ -40,6 +40,9 @@ class Evidence:
     ts_quality: str | None = None
     rule: str | None = None
     context: list[tuple[int, str]] | None = None  # (line, text) around it, when asked for
+    ts_hi: str | None = None  # a line without a stamp of its own: before this (times.When)
+    when: str | None = None  # the time estimate in words ("between A and B", ...)
+    year: str | None = None  # where the year comes from when not printed: inferred | file_mtime | unknown
 
     def to_dict(self) -> dict:
         d = {"file": self.file, "line": self.line, "text": self.text}
@@ -47,6 +50,12 @@ class Evidence:
             d["context"] = [{"line": n, "text": t} for n, t in self.context]
         if self.ts:
             d["ts"] = self.ts
+        if self.ts_hi:
+            d["ts_hi"] = self.ts_hi
+        if self.when:
+            d["when"] = self.when
+        if self.year:
+            d["year"] = self.year
         if self.ts_quality:
             d["ts_quality"] = self.ts_quality
         if self.rule:
@@ -217,20 +226,19 @@ class Event:
         return max(h.rule.weight for h in self.hits)
 
     @property
+    def when(self):
+        """The event's time estimate (:func:`.times.of_hits`, the one source of it)."""
+        from .times import of_hits
+
+        return of_hits(self.hits)
+
+    @property
     def lo(self) -> datetime | None:
-        precise = [h.ts for h in self.hits if h.precise]
-        if precise:
-            return min(precise)
-        inherited = [h.ts for h in self.hits if h.ts is not None]
-        return max(inherited) if inherited else None
+        return self.when.lo
 
     @property
     def hi(self) -> datetime | None:
-        precise = [h.ts for h in self.hits if h.precise]
-        if precise:
-            return min(precise)
-        his = [h.ts_hi for h in self.hits if h.ts_hi is not None]
-        return min(his) if his else None
+        return self.when.hi
 
     @property
     def origin(self) -> Hit:
