@@ -150,3 +150,36 @@ def test_no_placeholder_year(tmp_path):
     text = _cli("diagnose", "--db", db).output
     assert "2000-" not in text and "year from the file's modification time" in text
     assert "2000-" not in json.dumps(payload)
+
+
+KV_LOG = ("INFO 11-30 01:05:26 [api_utils.py:286] non-default args: {{'dtype': 'bfloat16', 'max_model_len': 32768{extra}}}\n"
+          "ERROR 11-30 01:06:00 [core.py:708] EngineCore failed to start.\n"
+          "Traceback (most recent call last):\n"
+          '  File "/usr/lib/python3/site-packages/vllm/v1/engine/core.py", line 699, in run_engine_core\n'
+          "    engine_core = EngineCoreProc(*args, **kwargs)\n"
+          "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.\n")
+
+
+def _remediation(tmp_path, name: str, text: str, signatures=()) -> list[str]:
+    _write(tmp_path / name / "engine.log", text)
+    db = str(tmp_path / f"{name}.duckdb")
+    forensics.ingest(str(tmp_path / name), db=db, workers=1).close()
+    return api.diagnose(db, signatures).root_causes[0].remediation
+
+
+def test_remediation_names_the_engine_argument_that_acts(tmp_path):
+    plain = _remediation(tmp_path, "plain", KV_LOG.format(extra=""))
+    assert any("gpu_memory_utilization" in m for m in plain) and not any("kv_cache_memory_bytes" in m for m in plain)
+    overridden = _remediation(tmp_path, "set", KV_LOG.format(extra=", 'kv_cache_memory_bytes': 67108864"))
+    first = next(m for m in overridden if "kv_cache_memory_bytes" in m)
+    assert "67108864 (64 MiB)" in first and "raise kv_cache_memory_bytes" in first and "try 268435456" in first
+    assert not any(m.startswith("actor_rollout_ref.rollout.gpu_memory_utilization") for m in overridden)
+
+
+def test_override_relation_is_data(tmp_path):
+    rules = tmp_path / "rules"
+    _write(rules / "mine.yaml", "config_overrides:\n"
+           "  - {key: actor_rollout_ref.rollout.gpu_memory_utilization, engine: vllm, arg: max_model_len, default: 0.5, raise: 0.5, why: made up}\n")
+    got = _remediation(tmp_path, "mine", KV_LOG.format(extra=""), [str(rules)])
+    assert any(m.startswith("max_model_len is 32768 here") and "which overrides actor_rollout_ref.rollout.gpu_memory_utilization" in m
+               and "try 16384" in m for m in got), got

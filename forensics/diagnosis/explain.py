@@ -10,7 +10,7 @@ from typing import Any
 
 import duckdb
 
-from ..catalogue import Remedy
+from ..catalogue import ConfigOverride, Remedy
 from . import times
 from .context import Context
 from .facts import RunConfig, RunFacts
@@ -122,7 +122,7 @@ def remediation(ctx: Context, cls: str, root: Event, phase: str | None, config: 
     for r in items:
         if r.key and r.key in keys:
             continue  # the rule's own advice on this key comes first
-        text = _remedy_text(r, config)
+        text = _remedy_text(r, config, ctx.cat.config_overrides)
         if text and text not in out:
             out.append(text)
             if r.key:
@@ -191,10 +191,15 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
+def _remedy_text(r: Remedy, config: RunConfig, overrides: list[ConfigOverride] = ()) -> str | None:
     why = f" ({r.why})" if r.why else ""
     if r.key is None:
         return r.text
+    for o in overrides:  # an engine argument the run set makes the key act no more: advise the one that acts
+        if o.key == r.key:
+            got = config.engine_arg(o.engine, o.arg, o.config)
+            if got is not None:
+                return _override_text(r, o, got[0], got[1], config)
     cur = config.get(r.key) if config.has(r.key) else None
     suggestion = None
     if r.to is not None:
@@ -218,6 +223,30 @@ def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
         direction = "lower" if r.scale < 1 else "raise"
         return f"{r.key}: {direction} it{why}"
     return f"{r.key}{why}" if why else r.key
+
+
+def _override_text(r: Remedy, o: ConfigOverride, value: Any, where: str, config: RunConfig) -> str:
+    """Advice on ``r.key`` turned into advice on the engine argument ``o.arg`` that overrides it."""
+    cur = config.get(r.key) if config.has(r.key) else o.default
+    if r.scale is not None:
+        up = r.scale > 1
+    elif r.to is not None and isinstance(r.to, (int, float)) and isinstance(cur, (int, float)):
+        up = r.to > cur
+    else:
+        up = None
+
+    def shown(v: Any) -> str:
+        if o.unit == "bytes" and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 2**20:
+            return f"{_fmt_value(v)} ({v / 2**30:.2f} GiB)" if v >= 2**30 else f"{_fmt_value(v)} ({v / 2**20:.0f} MiB)"
+        return _fmt_value(v)
+
+    head = f"{o.arg} is {shown(value)} here ({where}), which overrides {r.key}"
+    why = f" ({o.why})" if o.why else (f" ({r.why})" if r.why else "")
+    if up is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{head}: change {o.arg}, not {r.key}{why}"
+    new = value * (o.raise_scale if up else o.lower_scale)
+    new = int(round(new)) if isinstance(value, int) else round(new, 4)
+    return f"{head}: {'raise' if up else 'lower'} {o.arg}, not {r.key}; try {shown(new)}{why}"
 
 
 def add_context(con: duckdb.DuckDBPyConnection, d: Diagnosis, n: int) -> None:
