@@ -216,7 +216,9 @@ def ingest(
     per table, problems), ``run.headline()`` the diagnosis in one line.
 
     ``workers``: parser processes (None: one per core); ``progress(done, total, path)``
-    is called as files are loaded; ``exclude``: globs of files not to read; ``debug``:
+    is called with the bytes read so far and the bytes to read: once before the first
+    byte, every 0.2 s while the parsers read (a big file moves it too) and as files are
+    loaded (``path``: the last one); ``exclude``: globs of files not to read; ``debug``:
     a parser's bug is reported with its traceback. Ctrl-C stops it as
     ``KeyboardInterrupt``, with the files loaded so far committed."""
     if isinstance(paths, (str, os.PathLike)):

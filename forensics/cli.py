@@ -15,18 +15,22 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TransferSpeedColumn)
 from rich.table import Table as RichTable
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from . import __version__, api
+
+STARTED = time.perf_counter()  # the command's start, near enough (imports before it: a few tenths of a second)
 
 
 class _ArgumentWithoutType(TyperArgument):
@@ -163,9 +167,23 @@ def ingest(
             if State.interrupted or isinstance(exc, KeyboardInterrupt):
                 _fail(INTERRUPTED_INGEST, 130)
             raise
-        with run:
+        t0 = time.perf_counter()
+        with run, _spinner("diagnosing", show_progress):
             headline = _headline(run)
-    _print_ingest(run.last_ingest, headline, quiet, as_json)
+        diagnosis_s = time.perf_counter() - t0
+    _print_ingest(run.last_ingest, headline, quiet, as_json, diagnosis_s, time.perf_counter() - STARTED)
+
+
+@contextlib.contextmanager
+def _spinner(what: str, shown: bool):
+    """A spinner with ``what`` and the seconds so far on stderr while a long step runs
+    (only on a terminal: nothing on a pipe or with --json)."""
+    if not shown:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
 
 
 @contextlib.contextmanager
@@ -191,11 +209,13 @@ def _interruptible():
 
 @contextlib.contextmanager
 def _progress_bar(shown: bool):
-    """A progress callback for :func:`forensics.api.ingest`: a bar on stderr, or None."""
+    """A progress callback for :func:`forensics.api.ingest`: a bar on stderr (bytes read of
+    the bytes to read, MB/s, the time so far, the last file), or None."""
     if not shown:
         yield None
         return
-    with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+    with Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=err, transient=True) as bar:
         task = bar.add_task("", total=None)
 
         def progress(done: int, total: int, rel: str) -> None:
@@ -204,10 +224,13 @@ def _progress_bar(shown: bool):
         yield progress
 
 
-def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> None:
+def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool, diagnosis_s: float = 0.0,
+                  wall_s: float | None = None) -> None:
+    wall_s = summary.seconds + diagnosis_s if wall_s is None else wall_s
     if as_json:
         payload = {
-            "db": summary.db, "seconds": round(summary.seconds, 3), "files_seen": summary.files_seen,
+            "db": summary.db, "seconds": round(summary.seconds, 3), "diagnosis_seconds": round(diagnosis_s, 3),
+            "wall_seconds": round(wall_s, 3), "files_seen": summary.files_seen,
             "files_loaded": summary.files_loaded, "files_unchanged": summary.files_unchanged,
             "files_grown": summary.files_grown, "files_by_format": summary.files_by_format,
             "rows_added": summary.rows_added, "rows_total": summary.rows_total,
@@ -237,7 +260,7 @@ def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> 
         f"{summary.files_loaded} file(s) loaded, {summary.files_unchanged} unchanged, {summary.files_grown} grown; "
         f"{_human(summary.bytes_read)} in {summary.seconds:.2f} s ({mbps:.1f} MB/s); "
         f"{summary.unparsed_lines:,} line(s) no parser understood (kept in `lines`); "
-        f"{len(summary.messages)} problem(s)",
+        f"{len(summary.messages)} problem(s); diagnosis {diagnosis_s:.2f} s; {wall_s:.2f} s in all",
         highlight=False,
     )
     if headline:
@@ -499,7 +522,8 @@ def report(
 ) -> None:
     """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
     timeline, phases per step, training metrics, file inventory. Works offline."""
-    result = api.report(db, output, title)
+    with _spinner(f"writing {output}", err.is_terminal):
+        result = api.report(db, output, title)
     for note in result.notes:
         err.print(f"[yellow]![/yellow] {_shown(note)}", markup=True, highlight=False)
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
@@ -520,7 +544,8 @@ def diagnose(
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
-    result = api.diagnose(db, signatures, context=context)
+    with _spinner("diagnosing", err.is_terminal and not as_json):
+        result = api.diagnose(db, signatures, context=context)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -213,7 +214,7 @@ class Hit:
                         ts=self.ts.isoformat(sep=" ") if self.ts else None, ts_quality=self.ts_quality, rule=self.rule.id)
 
 
-@dataclass
+@dataclass(eq=False)  # an event is itself: `e in events` must not compare every hit of every event
 class Event:
     """One failure as seen through one or more files (copies of the same lines)."""
 
@@ -225,9 +226,10 @@ class Event:
     def weight(self) -> float:
         return max(h.rule.weight for h in self.hits)
 
-    @property
+    @cached_property
     def when(self):
-        """The event's time estimate (:func:`.times.of_hits`, the one source of it)."""
+        """The event's time estimate (:func:`.times.of_hits`, the one source of it; its hits
+        are placed, and their times known, before events are made)."""
         from .times import of_hits
 
         return of_hits(self.hits)
