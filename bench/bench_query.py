@@ -64,6 +64,7 @@ def build(db: Path, corpus: Path, want: int) -> int:
         raise SystemExit(f"no corpus bundles under {corpus}")
     api.ingest([str(p) for p in bundles], db=str(db), exclude=["label.json", "*.json.gz", "*.json"]).close()
     con = duckdb.connect(str(db))
+    con.execute("SET enable_progress_bar = false")
     have, top = con.execute("SELECT count(*), max(line_no) FROM lines").fetchone()
     copies = max(0, -(-want // max(have, 1)) - 1)
     if copies:
