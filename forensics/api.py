@@ -216,7 +216,9 @@ def ingest(
     per table, problems), ``run.headline()`` the diagnosis in one line.
 
     ``workers``: parser processes (None: one per core); ``progress(done, total, path)``
-    is called as files are loaded; ``exclude``: globs of files not to read; ``debug``:
+    is called with the bytes read so far and the bytes to read: once before the first
+    byte, every 0.2 s while the parsers read (a big file moves it too) and as files are
+    loaded (``path``: the last one); ``exclude``: globs of files not to read; ``debug``:
     a parser's bug is reported with its traceback. Ctrl-C stops it as
     ``KeyboardInterrupt``, with the files loaded so far committed."""
     if isinstance(paths, (str, os.PathLike)):
@@ -243,6 +245,50 @@ def query(db: str | os.PathLike, sql: str, write: bool = False) -> pl.DataFrame:
         return run.sql(sql)
     except Exception as exc:  # duckdb errors: syntax, missing table, ...; and what polars cannot convert
         raise ForensicsError(f"{exc.__class__.__name__}: {exc}") from exc
+    finally:
+        run.close()
+
+
+class QueryStream:
+    """The result of :func:`query_batches`: its Arrow ``schema``; iterate for the batches (once)."""
+
+    def __init__(self, schema, batches):
+        self.schema = schema
+        self._batches = batches
+
+    def __iter__(self):
+        return iter(self._batches)
+
+
+BATCH_ROWS = 16_384  # rows per Arrow record batch that query_batches hands over
+
+
+@contextlib.contextmanager
+def query_batches(db: str | os.PathLike, sql: str, write: bool = False, batch_rows: int = BATCH_ROWS):
+    """Run one SQL statement on ``db`` and stream its result (``forensics query``): yields a
+    :class:`QueryStream` (``.schema``, the Arrow schema; iterating it gives
+    ``pyarrow.RecordBatch`` es as DuckDB makes them), so a result of millions of rows is
+    never held whole. A statement without a result (DDL) gives no batches. Errors of the statement, when it starts or while its rows are
+    read, are :class:`ForensicsError` naming DuckDB's exception; the database is closed
+    when the block ends."""
+    import pyarrow as pa
+
+    run = Run(db, write=write)
+    try:
+        try:
+            rel = run.con.sql(sql)
+            reader = (rel.to_arrow_reader(batch_rows) if rel is not None
+                      else pa.RecordBatchReader.from_batches(pa.schema([]), []))
+        except Exception as exc:  # duckdb errors: syntax, missing table, ...
+            raise ForensicsError(f"{exc.__class__.__name__}: {exc}") from exc
+
+        def checked():
+            try:
+                yield from reader
+            except (duckdb.Error, pa.ArrowException) as exc:  # an error met while the rows are made
+                raise ForensicsError(f"{exc.__class__.__name__}: {exc}") from exc
+
+        yield QueryStream(reader.schema, checked())
     finally:
         run.close()
 

@@ -20,6 +20,14 @@ touching code. Every YAML file may hold any of these top-level sections:
     prints one is rank 0, which helps to place failures of processes that print no rank.
 ``rank_actors``
     Ray actor classes whose processes are training ranks (their pids rise with the rank).
+``engine_args``
+    Per inference engine (vllm, sglang, ...): regexes of the lines where it prints the
+    arguments it was started with, a Python dict literal in the group ``args``.
+``config_overrides``
+    Which engine argument, when the run set it, makes a verl key act no more (vLLM's
+    ``kv_cache_memory_bytes`` sizes the KV cache and ``gpu_memory_utilization`` is then
+    ignored): remediation that would change the key names the argument instead
+    (:class:`ConfigOverride`).
 ``causality``
     How failures relate (:class:`Causality`): which rules are collective timeouts that
     later errors follow from, which classes are teardown noise after the end of a run,
@@ -96,7 +104,9 @@ CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "sta
 NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
 REMEDY_KEYS = {"key", "to", "scale", "min", "max", "why", "text", "when"}
-SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors", "causality"}
+SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors", "causality",
+            "engine_args", "config_overrides"}
+OVERRIDE_KEYS = {"key", "engine", "arg", "config", "default", "raise", "lower", "why", "unit"}
 NOT_SIGNATURE_FILES = {"phases.yaml", "findings.yaml"}  # other analyses' files in the same folder
 
 # Lines of Python source shown inside a traceback (``raise ValueError("...")``) repeat the
@@ -286,6 +296,25 @@ class ClassInfo:
     notes: str | None = None
 
 
+@dataclass(frozen=True)
+class ConfigOverride:
+    """The engine argument ``arg`` of ``engine``, when the run set it (in the engine's printed
+    arguments, or through one of the verl keys ``config``), overrides the verl key ``key``:
+    advice to raise or lower ``key`` becomes advice to scale ``arg`` by ``raise_scale`` /
+    ``lower_scale``. ``default``: ``key``'s default, to tell the direction of a suggested
+    value when the run's own is unknown; ``unit``: ``bytes`` shows the value in MiB/GiB too."""
+
+    key: str
+    engine: str
+    arg: str
+    config: tuple[str, ...] = ()
+    default: float | None = None
+    raise_scale: float = 2.0
+    lower_scale: float = 0.5
+    why: str | None = None
+    unit: str | None = None
+
+
 @dataclass
 class Catalogue:
     rules: list[Rule]
@@ -297,6 +326,8 @@ class Catalogue:
     rank_zero_prints: list[str] = field(default_factory=list)
     rank_actors: list[str] = field(default_factory=list)
     causality: Causality = field(default_factory=Causality)
+    engine_args: dict[str, list[str]] = field(default_factory=dict)  # engine -> regexes with group `args`
+    config_overrides: list[ConfigOverride] = field(default_factory=list)
 
     def rule(self, rule_id: str) -> Rule:
         for r in self.rules:
@@ -343,6 +374,8 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
     rank_zero: list[str] = []
     rank_actors: list[str] = []
     causality_raw: dict[str, tuple[Any, str]] = {}
+    engine_args: dict[str, list[str]] = {}
+    overrides: dict[tuple[str, str, str], ConfigOverride] = {}
     sources: list[str] = []
     skipped: list[str] = []
     for d in dirs:
@@ -382,6 +415,15 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
             for pat in doc.get("rank_actors") or []:
                 _compile(pat, f"{f}: rank_actors")
                 rank_actors.append(pat)
+            for engine, pats in (doc.get("engine_args") or {}).items():
+                for pat in _as_list(pats, f"{f}: engine_args.{engine}", "patterns"):
+                    if "(?P<args>" not in pat:
+                        raise SignatureError(f"{f}: engine_args.{engine}: a pattern needs the group (?P<args>...)")
+                    _compile(pat, f"{f}: engine_args.{engine}")
+                    engine_args.setdefault(str(engine), []).append(pat)
+            for item in doc.get("config_overrides") or []:
+                o = _override(item, f"{f}: config_overrides")
+                overrides[(o.key, o.engine, o.arg)] = o  # a later file replaces the same relation
             causal = doc.get("causality") or {}
             if not isinstance(causal, dict) or set(causal) - CAUSALITY_KEYS:
                 raise SignatureError(f"{f}: `causality` is a mapping with keys from {sorted(CAUSALITY_KEYS)}")
@@ -405,7 +447,20 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
     causality = _causality(causality_raw, ids, set(class_infos))
     return Catalogue(rules=rules, classes=class_infos, phase_markers=markers, metric_detectors=detectors,
                      sources=sources, skipped=skipped, rank_zero_prints=rank_zero,
-                     rank_actors=rank_actors, causality=causality)
+                     rank_actors=rank_actors, causality=causality, engine_args=engine_args,
+                     config_overrides=list(overrides.values()))
+
+
+def _override(item: Any, where: str) -> ConfigOverride:
+    if not isinstance(item, dict) or not {"key", "engine", "arg"} <= set(item) or set(item) - OVERRIDE_KEYS:
+        raise SignatureError(f"{where}: an override is a mapping with key, engine, arg (and {sorted(OVERRIDE_KEYS - {'key', 'engine', 'arg'})})")
+    for name in ("raise", "lower", "default"):
+        if item.get(name) is not None and not isinstance(item[name], (int, float)):
+            raise SignatureError(f"{where}: {item['arg']}: `{name}` must be a number")
+    return ConfigOverride(key=str(item["key"]), engine=str(item["engine"]), arg=str(item["arg"]),
+                          config=_as_list(item.get("config"), where, "config"), default=item.get("default"),
+                          raise_scale=float(item.get("raise", 2.0)), lower_scale=float(item.get("lower", 0.5)),
+                          why=item.get("why"), unit=item.get("unit"))
 
 
 def _causality(raw: dict[str, tuple[Any, str]], rule_ids: set[str], classes: set[str]) -> Causality:

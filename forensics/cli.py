@@ -15,18 +15,22 @@ import os
 import re
 import signal
 import sys
+import time
 import traceback
 from typing import List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TransferSpeedColumn)
 from rich.table import Table as RichTable
 from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from . import __version__, api
+
+STARTED = time.perf_counter()  # the command's start, near enough (imports before it: a few tenths of a second)
 
 
 class _ArgumentWithoutType(TyperArgument):
@@ -163,9 +167,23 @@ def ingest(
             if State.interrupted or isinstance(exc, KeyboardInterrupt):
                 _fail(INTERRUPTED_INGEST, 130)
             raise
-        with run:
+        t0 = time.perf_counter()
+        with run, _spinner("diagnosing", show_progress):
             headline = _headline(run)
-    _print_ingest(run.last_ingest, headline, quiet, as_json)
+        diagnosis_s = time.perf_counter() - t0
+    _print_ingest(run.last_ingest, headline, quiet, as_json, diagnosis_s, time.perf_counter() - STARTED)
+
+
+@contextlib.contextmanager
+def _spinner(what: str, shown: bool):
+    """A spinner with ``what`` and the seconds so far on stderr while a long step runs
+    (only on a terminal: nothing on a pipe or with --json)."""
+    if not shown:
+        yield
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        bar.add_task(what, total=None)
+        yield
 
 
 @contextlib.contextmanager
@@ -191,11 +209,13 @@ def _interruptible():
 
 @contextlib.contextmanager
 def _progress_bar(shown: bool):
-    """A progress callback for :func:`forensics.api.ingest`: a bar on stderr, or None."""
+    """A progress callback for :func:`forensics.api.ingest`: a bar on stderr (bytes read of
+    the bytes to read, MB/s, the time so far, the last file), or None."""
     if not shown:
         yield None
         return
-    with Progress(TextColumn("ingest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"), console=err, transient=True) as bar:
+    with Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=err, transient=True) as bar:
         task = bar.add_task("", total=None)
 
         def progress(done: int, total: int, rel: str) -> None:
@@ -204,10 +224,13 @@ def _progress_bar(shown: bool):
         yield progress
 
 
-def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> None:
+def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool, diagnosis_s: float = 0.0,
+                  wall_s: float | None = None) -> None:
+    wall_s = summary.seconds + diagnosis_s if wall_s is None else wall_s
     if as_json:
         payload = {
-            "db": summary.db, "seconds": round(summary.seconds, 3), "files_seen": summary.files_seen,
+            "db": summary.db, "seconds": round(summary.seconds, 3), "diagnosis_seconds": round(diagnosis_s, 3),
+            "wall_seconds": round(wall_s, 3), "files_seen": summary.files_seen,
             "files_loaded": summary.files_loaded, "files_unchanged": summary.files_unchanged,
             "files_grown": summary.files_grown, "files_by_format": summary.files_by_format,
             "rows_added": summary.rows_added, "rows_total": summary.rows_total,
@@ -237,7 +260,7 @@ def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> 
         f"{summary.files_loaded} file(s) loaded, {summary.files_unchanged} unchanged, {summary.files_grown} grown; "
         f"{_human(summary.bytes_read)} in {summary.seconds:.2f} s ({mbps:.1f} MB/s); "
         f"{summary.unparsed_lines:,} line(s) no parser understood (kept in `lines`); "
-        f"{len(summary.messages)} problem(s)",
+        f"{len(summary.messages)} problem(s); diagnosis {diagnosis_s:.2f} s; {wall_s:.2f} s in all",
         highlight=False,
     )
     if headline:
@@ -257,31 +280,213 @@ def _headline(run: api.Run) -> str | None:
         return f"(diagnosis failed: {exc.__class__.__name__}: {exc})"
 
 
+QUERY_FORMATS = ("table", "csv", "json", "ndjson")
+
+
 @_command()
 def query(
     sql: str = typer.Argument(..., metavar="SQL", help="SQL to run (DuckDB dialect)."),
     db: str = DB_OPTION,
-    fmt: str = typer.Option("table", "--format", "-f", metavar="FORMAT", help="table | csv | json"),
+    fmt: str = typer.Option("table", "--format", "-f", metavar="FORMAT", help="table | csv | json | ndjson"),
     write: bool = typer.Option(False, "--write", help="Open the database writable (default: read-only)."),
+    max_rows: int = typer.Option(40, "--max-rows", metavar="N", min=0, help="Rows the table shows (0: all); the other formats print every row."),
 ) -> None:
-    """Run SQL against the database and print the result."""
-    if fmt not in ("table", "csv", "json"):
-        raise api.ForensicsError(f"unknown --format {fmt!r}: use table, csv or json")
-    df = api.query(db, sql, write=write)
-    if fmt == "csv":
-        sys.stdout.write(df.write_csv())
-    elif fmt == "json":
-        # strict JSON has no NaN or Infinity: non-finite floats are printed as null
-        rows = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in df.to_dicts()]
-        sys.stdout.write(json.dumps(rows, default=str, indent=1, allow_nan=False) + "\n")
+    """Run SQL against the database and print the result (streamed: any size)."""
+    if fmt not in QUERY_FORMATS:
+        raise api.ForensicsError(f"unknown --format {fmt!r}: use table, csv, json or ndjson")
+    try:
+        with api.query_batches(db, sql, write=write) as result:
+            if fmt == "table":
+                _print_table(result, max_rows)
+            else:
+                {"csv": _write_csv, "json": _write_json, "ndjson": _write_ndjson}[fmt](result)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `forensics query ... | head`: the reader has all it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        raise typer.Exit(0)
+
+
+def _emit(data: bytes) -> None:
+    """Bytes to stdout (its buffer, past the text layer's encoding)."""
+    buf = getattr(sys.stdout, "buffer", None)
+    if buf is None:
+        sys.stdout.write(data.decode("utf-8", "replace"))
     else:
-        t = RichTable(show_edge=False)
-        for c in df.columns:
-            t.add_column(c, overflow="fold")
-        for row in df.iter_rows():
-            t.add_row(*[Text("" if v is None else str(v)) for v in row])  # Text: never read as markup
-        out.print(t)
-        out.print(f"({df.height} row{'s' if df.height != 1 else ''})", highlight=False)
+        buf.write(data)
+
+
+def _interval(v) -> str | None:
+    """An Arrow month-day-nanosecond interval as text (``1 month 2 days 00:00:03.5``), else None."""
+    if not (isinstance(v, tuple) and hasattr(v, "months") and hasattr(v, "nanoseconds")):
+        return None
+    secs, parts = v.nanoseconds / 1e9, []
+    if v.months:
+        parts.append(f"{v.months} month{'s' if abs(v.months) != 1 else ''}")
+    if v.days:
+        parts.append(f"{v.days} day{'s' if abs(v.days) != 1 else ''}")
+    if secs or not parts:
+        h, rest = divmod(abs(secs), 3600)
+        m, sec = divmod(rest, 60)
+        frac = f"{sec:06.3f}".rstrip("0").rstrip(".")  # 03.500 -> 03.5, 10.000 -> 10
+        parts.append(f"{'-' if secs < 0 else ''}{int(h):02d}:{int(m):02d}:{frac}")
+    return " ".join(parts)
+
+
+def _json_default(v):
+    """What orjson does not write itself: datetimes as DuckDB prints them, decimals, blobs, intervals."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "backslashreplace")
+    iv = _interval(v)
+    return iv if iv is not None else str(v)
+
+
+def _json(v) -> bytes:
+    import orjson
+
+    # non-finite floats become null (strict JSON has no NaN); dict keys of a MAP may be numbers
+    return orjson.dumps(v, default=_json_default, option=orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_NON_STR_KEYS)
+
+
+def _write_ndjson(result) -> None:
+    for batch in result:
+        if batch.num_rows:
+            _emit(b"\n".join(_json(r) for r in batch.to_pylist()) + b"\n")
+
+
+def _write_json(result) -> None:
+    """One JSON array, one object a line, written batch by batch."""
+    first = True
+    _emit(b"[")
+    for batch in result:
+        if not batch.num_rows:
+            continue
+        _emit((b"\n" if first else b",\n") + b",\n".join(_json(r) for r in batch.to_pylist()))
+        first = False
+    _emit(b"\n]\n" if not first else b"]\n")
+
+
+def _write_csv(result) -> None:
+    """CSV with a header line; list, struct and map cells are JSON, other types as DuckDB prints them."""
+    import csv
+    import io
+
+    import pyarrow.csv as pacsv
+
+    head = io.StringIO()
+    csv.writer(head, lineterminator="\n").writerow(result.schema.names)
+    _emit(head.getvalue().encode())
+    options = pacsv.WriteOptions(include_header=False)
+    for batch in result:
+        if batch.num_rows:
+            sink = io.BytesIO()
+            pacsv.write_csv(_csv_ready(batch), sink, options)
+            _emit(sink.getvalue())
+
+
+def _csv_ready(batch):
+    """The batch with every column the CSV writer cannot write as text: nested values as JSON."""
+    import pyarrow as pa
+
+    cols = []
+    for col, f in zip(batch.columns, batch.schema):
+        t = f.type
+        if pa.types.is_nested(t):
+            col = pa.array([None if v is None else _json(v).decode() for v in col.to_pylist()], pa.string())
+        elif not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t) or pa.types.is_string(t)
+                  or pa.types.is_large_string(t) or pa.types.is_boolean(t) or pa.types.is_temporal(t) and not pa.types.is_interval(t)
+                  or pa.types.is_binary(t) or pa.types.is_null(t)):
+            col = pa.array([None if v is None else _cell(v) for v in col.to_pylist()], pa.string())
+        cols.append(col)
+    return pa.RecordBatch.from_arrays(cols, names=batch.schema.names)
+
+
+# -- the table of `forensics query` ----------------------------------------------------------
+
+MIN_CELL = 8  # narrowest a column is cut to (to fit the terminal) before columns are left out
+
+
+def _cell(v) -> str:
+    """A value as the table shows it: no Python reprs (NULL, true/false, JSON for nested values)."""
+    if v is None:
+        return "NULL"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    iv = _interval(v)
+    if iv is not None:
+        return iv
+    if isinstance(v, (list, dict, tuple)):
+        return _json(v).decode()
+    if isinstance(v, bytes):
+        v = v.decode("utf-8", "backslashreplace")
+    s = str(v)
+    return _UNPRINTABLE.sub(lambda m: "\\n" if m.group() == "\n" else f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100 else f"\\u{ord(m.group()):04x}",
+                            s.replace("\n", "\\n").replace("\t", " "))
+
+
+def _print_table(result, max_rows: int) -> None:
+    import pyarrow as pa
+    from rich.cells import cell_len, set_cell_size
+
+    names = list(result.schema.names)
+    numeric = [pa.types.is_integer(f.type) or pa.types.is_floating(f.type) or pa.types.is_decimal(f.type) for f in result.schema]
+    rows: list[list[str]] = []
+    total = 0
+    for batch in result:
+        want = batch.num_rows if max_rows == 0 else min(batch.num_rows, max_rows - len(rows))
+        if want > 0:
+            cols = [c.to_pylist() for c in batch.slice(0, want).columns]
+            rows.extend([_cell(v) for v in vals] for vals in zip(*cols))
+        total += batch.num_rows
+    if not names:
+        out.print("(no result)", highlight=False)
+        return
+    room = max(40, out.width)
+    widths = [min(room - 4, max([cell_len(n)] + [cell_len(r[i]) for r in rows])) for i, n in enumerate(names)]
+
+    def span(ws: list[int]) -> int:
+        return sum(ws) + 3 * len(ws) + 1
+
+    while span(widths) > room and max(widths) > MIN_CELL:  # cut the widest column first
+        widest = max(range(len(widths)), key=lambda i: widths[i])
+        widths[widest] -= 1
+    shown = list(range(len(names)))
+    if span(widths) > room:  # still too wide: leave out middle columns, keep the outer ones
+        left, right, used = [], [], span([1])  # the "…" column
+        lo, hi = 0, len(names) - 1
+        while lo <= hi:
+            i = lo if len(left) <= len(right) else hi
+            if used + widths[i] + 3 > room:
+                break
+            used += widths[i] + 3
+            if i == lo:
+                left.append(lo)
+                lo += 1
+            else:
+                right.insert(0, hi)
+                hi -= 1
+        shown = left + [-1] + right
+
+    def fit(text: str, w: int, right: bool) -> str:
+        if cell_len(text) > w:
+            text = set_cell_size(text, w - 1) + "\u2026"
+        pad = " " * (w - cell_len(text))
+        return pad + text if right else text + pad
+
+    def line(cells: list[str]) -> str:
+        return " " + " \u2502 ".join(cells).rstrip()
+
+    head = [fit(names[i], widths[i], numeric[i]) if i >= 0 else "\u2026" for i in shown]
+    out.print(line(head), highlight=False, markup=False)
+    out.print("\u2500" + "\u2500\u253c\u2500".join("\u2500" * (widths[i] if i >= 0 else 1) for i in shown) + "\u2500", highlight=False, markup=False)
+    for r in rows:
+        out.print(line([fit(r[i], widths[i], numeric[i]) if i >= 0 else "\u2026" for i in shown]), highlight=False, markup=False)
+    what = f"{total:,} row{'s' if total != 1 else ''}"
+    if len(rows) < total:
+        what += f", {len(rows):,} shown"
+    if -1 in shown:
+        what += f"; {len(names)} columns, {len(shown) - 1} shown"
+    out.print(f"({what})", highlight=False, markup=False)
 
 
 @_command()
@@ -317,7 +522,8 @@ def report(
 ) -> None:
     """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
     timeline, phases per step, training metrics, file inventory. Works offline."""
-    result = api.report(db, output, title)
+    with _spinner(f"writing {output}", err.is_terminal):
+        result = api.report(db, output, title)
     for note in result.notes:
         err.print(f"[yellow]![/yellow] {_shown(note)}", markup=True, highlight=False)
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
@@ -338,7 +544,8 @@ def diagnose(
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
-    result = api.diagnose(db, signatures, context=context)
+    with _spinner("diagnosing", err.is_terminal and not as_json):
+        result = api.diagnose(db, signatures, context=context)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
         return

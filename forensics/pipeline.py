@@ -275,8 +275,25 @@ def walk(root: str, messages: list[str], skip: set[str]) -> Iterator[tuple[str, 
 
 # -- parsing (runs in worker processes) --------------------------------------------
 
+# What the ingest's progress shows while big files are being parsed: the bytes the parsers
+# have read so far, counted in a counter the parser processes share with the ingest process
+# (a multiprocessing Value, or None when no progress is asked for); in the ingest process a
+# hook is called after each read (a file parsed there, in the main thread, is not waited on).
+_READ_METER = None
+_READ_HOOK: Callable[[], None] | None = None
+TICK_S = 0.2  # seconds between two progress reports
+
+
+def _count_read(n: int) -> None:
+    if _READ_METER is not None:
+        with _READ_METER.get_lock():
+            _READ_METER.value += n
+    if _READ_HOOK is not None:
+        _READ_HOOK()
+
+
 class _HashingReader:
-    """Wrap a raw file: hash every byte read, remember the last one."""
+    """Wrap a raw file: hash every byte read, remember the last one, count it (_READ_METER)."""
 
     def __init__(self, fh, hasher):
         self.fh, self.hasher, self.last, self.count = fh, hasher, b"", 0
@@ -287,6 +304,7 @@ class _HashingReader:
             self.hasher.update(data)
             self.last = data[-1:]
             self.count += len(data)
+            _count_read(len(data))
         return data
 
     def readinto(self, b):  # for gzip / io wrappers
@@ -564,6 +582,7 @@ def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult
         try:
             with open(task.abs_path, "rb") as fh:
                 data = fh.read(BATCH_READ_LIMIT + 1)
+            _count_read(len(data))
         except OSError:
             alone.append(task)  # vanished or unreadable: parse_one reports it
             continue
@@ -820,17 +839,32 @@ def ingest(
                 raise
         spool = tempfile.mkdtemp(prefix="spool-", dir=tmp_root)
         batch = _Batch(store)
-        total = len(tasks)
+        total = sum(t.size for t in tasks)  # progress is in bytes: one big file moves the bar too
         done = 0
+        last_rel = [""]
         jobs = make_jobs(tasks)  # biggest first keeps the pool busy
+        meter = multiprocessing.get_context("forkserver").Value("q", 0) if progress else None
+        ticked = [0.0]
+
+        def tick(rel: str | None = None, force: bool = False) -> None:
+            """Report the bytes read so far (by the parsers, or of the files loaded)."""
+            now = time.monotonic()
+            if not force and now - ticked[0] < TICK_S:
+                return
+            ticked[0] = now
+            last_rel[0] = rel or last_rel[0]
+            progress(min(total, max(done, meter.value)), total, last_rel[0])
+
+        if progress:
+            progress(0, total, "")  # the size is known before the first file is read
 
         def finish(job: JobResult) -> None:
             nonlocal done
-            done += len(job.results)
+            done += sum(res.task.size for res in job.results)
             if job.loaded is not None:  # a direct file, committed by its thread
                 summary.add(job.loaded)
                 if progress:
-                    progress(done, total, job.results[-1].task.rel)
+                    tick(job.results[-1].task.rel, force=True)
                 return
             batch.ensure()
             file_rows, problem_rows = [], []
@@ -866,7 +900,7 @@ def ingest(
                     except OSError:
                         pass
             if progress:
-                progress(done, total, job.results[-1].task.rel)
+                tick(job.results[-1].task.rel, force=True)
 
         is_direct = [len(job) == 1 and direct(job[0]) for job in jobs]
         direct_jobs = [job for job, d in zip(jobs, is_direct) if d]
@@ -874,7 +908,7 @@ def ingest(
         try:
             _run_jobs(jobs, spool, workers, debug, finish, idle=store.finish_schema, direct_jobs=direct_jobs,
                       run_direct=lambda job, cur, stopping: run_direct(job, spool, debug, store, cur, stopping),
-                      cursor=store.con.cursor)
+                      cursor=store.con.cursor, meter=meter, tick=tick if progress else None)
             batch.close()
             store.finish_schema()  # when there was nothing to parse
         except BaseException:
@@ -953,7 +987,8 @@ class _Batch:
 
 def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool, finish: Callable[[JobResult], None],
               idle: Callable[[], None] = lambda: None, direct_jobs: list[list[FileTask]] = (),
-              run_direct: Callable | None = None, cursor: Callable | None = None) -> None:
+              run_direct: Callable | None = None, cursor: Callable | None = None,
+              meter=None, tick: Callable[[], None] | None = None) -> None:
     """Parse ``jobs`` (in a process pool when there is more than one worker and job) and
     hand each result to ``finish`` in the main process, the only database writer. ``idle``
     is run once in the main process before the first ``finish``: in the pool case while
@@ -963,14 +998,31 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
     threads of this process, side by side: they load their rows themselves, each on a
     cursor of its own (made and closed here, in the main thread); ``stopping()`` turns true
     when the jobs are being stopped. Jobs that would have run in this process run in those
-    threads too."""
+    threads too.
+
+    ``meter`` (a shared counter) counts the bytes the parsers read, here and in the parser
+    processes; ``tick()`` is called every :data:`TICK_S` while they work, to report it."""
+    global _READ_METER, _READ_HOOK
     direct_jobs = list(direct_jobs)
     use_pool = workers > 1 and len(jobs) > 1
-    if not direct_jobs and not use_pool:
-        idle()
-        for job in jobs:
-            finish(parse_job(job, spool, debug))
-        return
+    _READ_METER = meter
+    try:
+        if not direct_jobs and not use_pool:
+            idle()
+            _READ_HOOK = tick  # parsed in this thread: the reads report
+            try:
+                for job in jobs:
+                    finish(parse_job(job, spool, debug))
+            finally:
+                _READ_HOOK = None
+            return
+        _run_in_parallel(jobs, spool, workers, debug, finish, idle, direct_jobs, run_direct, cursor, use_pool, meter, tick)
+    finally:
+        _READ_METER = None
+
+
+def _run_in_parallel(jobs, spool, workers, debug, finish, idle, direct_jobs, run_direct, cursor, use_pool, meter, tick) -> None:
+    """:func:`_run_jobs` with a process pool and/or threads."""
     pool = threads = None
     in_flight: dict[Future, object] = {}  # a direct job's future -> the cursor it uses
     # kind -> (its jobs, how many may run at once)
@@ -1008,13 +1060,15 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
             ctx.set_forkserver_preload(["forensics.pipeline"])
             # the parsers watch the read end: it reaches end-of-file when this process is gone
             alive_r, alive_w = ctx.Pipe(duplex=False)
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r,))
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init, initargs=(alive_r, meter))
         for kind, (_, limit) in queues.items():
             for _ in range(limit):
                 submit(kind)
         idle()
         while kinds:
-            finished, _ = wait(list(kinds), return_when=FIRST_COMPLETED)
+            finished, _ = wait(list(kinds), timeout=TICK_S if tick else None, return_when=FIRST_COMPLETED)
+            if tick:
+                tick()
             for fut in finished:
                 kind = kinds.pop(fut)
                 cur = in_flight.pop(fut, None)
@@ -1045,12 +1099,14 @@ def _run_jobs(jobs: list[list[FileTask]], spool: str, workers: int, debug: bool,
                 end.close()
 
 
-def _worker_init(ingest_alive) -> None:
+def _worker_init(ingest_alive, meter=None) -> None:
     """Parser processes leave interrupts to the main process, which stops the pool and
     rolls back the open transaction (a Ctrl-C reaches the whole process group); and
     they end when the ingest process is gone (killed: ``ingest_alive``, the read end of
     a pipe only it writes to, reaches end-of-file), instead of waiting forever for work
     that will not come (they hold the fork server and the queues open themselves)."""
+    global _READ_METER
+    _READ_METER = meter  # the bytes read, for the ingest's progress
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -115,12 +115,13 @@ def _diagnosis(con: duckdb.DuckDBPyConnection) -> tuple[dict | None, str | None]
 
 
 def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[dict]:
-    """Add ts (µs since epoch), rank and ``ts_approx`` to evidence items by looking up their line.
+    """Add ts (µs since epoch), rank and ``ts_approx`` to evidence items.
 
-    A line without a stamp of its own only inherits the previous stamp of its file (a
-    traceback in a `.err` file may inherit the first line's start-up stamp); its time is then
-    estimated as the last stamped line of the files that carry the same rank's lines, when
-    later, and marked approximate."""
+    The time is the diagnosis' own estimate of the line (``ts``, and ``ts_hi`` for a line
+    without a stamp of its own: forensics.diagnosis.times), so the page and ``forensics
+    diagnose`` never disagree; a line without a stamp is drawn at the earliest time it can
+    have happened and marked approximate. Items the diagnosis did not give (the error lines
+    shown without one) take their line's stamp. The rank is the line's."""
     if not items:
         return []
     keys = pl.DataFrame({"i": list(range(len(items))), "path": [str(e.get("file")) for e in items],
@@ -128,30 +129,30 @@ def _locate_evidence(con: duckdb.DuckDBPyConnection, items: list[dict]) -> list[
     con.register("_ev_keys", keys.to_arrow())
     try:
         found = _q(con, """
-            WITH ev AS (
-                SELECT k.i, l.ts, l.rank, l.ts_quality
-                FROM _ev_keys k JOIN files f ON f.path = k.path
-                JOIN lines l ON l.file_id = f.file_id AND l.line_no = k.line_no
-            ), rank_files AS (  -- files that carry lines of the rank
-                SELECT DISTINCT file_id, rank FROM lines
-                WHERE rank IN (SELECT rank FROM ev WHERE ts_quality = 'inherited')
-            ), last_stamp AS (
-                SELECT r.rank, max(l.ts) AS ts FROM rank_files r JOIN lines l USING (file_id)
-                WHERE l.ts_quality <> 'inherited'
-                GROUP BY r.rank
-            )
-            SELECT ev.i, ev.rank, ev.ts_quality = 'inherited' AS ts_approx,
-                   epoch_us(CASE WHEN ev.ts_quality = 'inherited' THEN greatest(ev.ts, coalesce(s.ts, ev.ts)) ELSE ev.ts END)::DOUBLE AS ts_us
-            FROM ev LEFT JOIN last_stamp s ON s.rank = ev.rank""")
+            SELECT k.i, l.rank, l.ts_quality = 'inherited' AS ts_approx, epoch_us(l.ts)::DOUBLE AS ts_us
+            FROM _ev_keys k JOIN files f ON f.path = k.path
+            JOIN lines l ON l.file_id = f.file_id AND l.line_no = k.line_no""")
     finally:
         con.unregister("_ev_keys")
     by_i = {r["i"]: r for r in found.iter_rows(named=True)}
     out = []
     for i, e in enumerate(items):
         r = by_i.get(i, {})
-        out.append({**e, "ts_us": r.get("ts_us"), "ts_approx": bool(r.get("ts_approx")),
+        ts_us, approx = r.get("ts_us"), bool(r.get("ts_approx"))
+        if "ts" in e or "when" in e:  # the diagnosis' estimate
+            ts_us, approx = _epoch_us(e.get("ts")), e.get("ts_quality") not in (None, "full", "year_inferred", "no_year")
+        out.append({**e, "ts_us": ts_us, "ts_approx": approx,
                     "rank": r.get("rank") if r.get("rank") is not None else e.get("rank")})
     return out
+
+
+def _epoch_us(ts: str | None) -> float | None:
+    """µs since the epoch of a diagnosis time (``YYYY-MM-DD HH:MM:SS[.ffffff]``, UTC); None
+    for a time without a year."""
+    try:
+        return datetime.fromisoformat(ts).replace(tzinfo=timezone.utc).timestamp() * 1e6 if ts else None
+    except ValueError:
+        return None
 
 
 # -- timeline -------------------------------------------------------------------------------
@@ -340,7 +341,8 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
             "marker": {"symbol": ["x-open" if e.get("ts_approx") else "x" for e in marks], "size": 12, "color": "#D62728",
                        "line": {"width": 2}},
             "hovertext": [esc(f"{e.get('file')}:{e.get('line')}: {str(e.get('text') or '')[:300]}"
-                              + (" (time estimated: the line has no time stamp)" if e.get("ts_approx") else "")) for e in marks],
+                              + (f" (no time stamp of its own: {e['when']})" if e.get("ts_approx") and e.get("when")
+                                 else " (time estimated: the line has no time stamp)" if e.get("ts_approx") else "")) for e in marks],
             "hoverinfo": "text",
         })
     height = min(max(260, 60 + 22 * len(lanes)), 2400)
@@ -570,8 +572,8 @@ def _card_html(diag: dict | None, note: str | None, evidence: list[dict]) -> str
 def _evidence_list(evidence: list[dict]) -> str:
     rows = []
     for e in evidence[:MAX_EVIDENCE]:
-        when = (f" · {'about ' if e.get('ts_approx') else ''}{esc(_iso(e['ts_us']))}"
-                if e.get("ts_us") is not None else "")
+        when = (f" · {esc(e['when'])}" if e.get("when") else
+                f" · {'about ' if e.get('ts_approx') else ''}{esc(_iso(e['ts_us']))}" if e.get("ts_us") is not None else "")
         rank = f" · rank {esc(e['rank'])}" if e.get("rank") is not None else ""
         rows.append(f'<li><span class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}{when}{rank}</span>'
                     f'<pre class="line">{esc(e.get("text"))}</pre></li>')

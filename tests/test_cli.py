@@ -158,7 +158,7 @@ def test_every_forensics_error_becomes_status_2(monkeypatch, small_db):
     def refuse(*args, **kwargs):
         raise api.ForensicsError("the disk said no")
 
-    for name in ("ingest", "diagnose", "report", "export", "catalogue", "query", "evaluate"):
+    for name in ("ingest", "diagnose", "report", "export", "catalogue", "query", "query_batches", "evaluate"):
         monkeypatch.setattr(api, name, refuse)
     db = ["--db", str(small_db)]
     for argv in (["ingest", "logs", *db], ["diagnose", *db], ["report", *db], ["export", "--parquet", "x", *db],

@@ -26,7 +26,7 @@ from .. import catalogue as sig
 from .. import detectors
 from ..catalogue import Catalogue
 from ..store import SettingError, set_memory_limit
-from . import explain, incident, matching, placement, selection
+from . import explain, incident, matching, placement, selection, times
 from .context import Context
 from .explain import render
 from .facts import RunConfig, RunFacts
@@ -103,7 +103,7 @@ def run(ctx: Context) -> Diagnosis:
     facts = RunFacts(con, ctx.cat)
     placement.attach_task_pids(ctx, hits)
     placement.attach_bodies(ctx, hits)
-    placement.attach_ts_hi(ctx, hits)
+    times.attach_ts_hi(con, hits, lambda *a: placement.keyed_rows(ctx, *a))
     placement.place(ctx, hits, facts)
     hits = selection.resolve_classes(hits, facts.traits)
     alarms = detectors.run(con, ctx.cat.metric_detectors)
@@ -112,7 +112,8 @@ def run(ctx: Context) -> Diagnosis:
     choice = selection.choose(ctx, hits, alarms, facts)
     if choice.root is None:
         ends, stops = choice.ends, choice.stops
-        end_ev = (ends[-1].evidence() if ends else (stops[0].evidence() if stops else None))
+        end_hit = ends[-1] if ends else (stops[0] if stops else None)
+        end_ev = times.evidence(con, end_hit) if end_hit is not None else None
         if not ends and not stops:
             last = f" at step {facts.max_step}" if facts.max_step is not None else ""
             notes.insert(0, f"no failure found; the logs stop{last} without an end-of-run marker (still running, or cut off)")

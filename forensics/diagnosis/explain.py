@@ -10,25 +10,24 @@ from typing import Any
 
 import duckdb
 
-from ..catalogue import Remedy
+from ..catalogue import ConfigOverride, Remedy
+from . import times
 from .context import Context
 from .facts import RunConfig, RunFacts
 from .model import HEALTHY, INCOMPLETE, Diagnosis, Event, Evidence, Finding, Hit, clip
 
 
-def time_notes(ctx: Context, root: Event, origin: Hit) -> list[str]:
+def time_notes(ctx: Context, root: Event, origin: Hit, when: "times.When") -> list[str]:
+    """What to know of the root cause's time (``when``: its estimate, as its evidence shows it)."""
     if origin.alarm is not None:
         return []
-    if root.precise_any:
-        q = next(h.ts_quality for h in root.hits if h.precise)
-        if q in ("year_inferred", "no_year"):
-            return ["the root cause's time is printed without a year; the year was inferred from other stamps of the run"]
-        return []
-    if root.lo is not None:
-        when = (f"between {root.lo:%Y-%m-%d %H:%M:%S} and {root.hi:%Y-%m-%d %H:%M:%S}" if root.hi
-                else f"at or after {root.lo:%Y-%m-%d %H:%M:%S}")
-        return [f"the root-cause line carries no timestamp of its own: it happened {when} "
-                "(times taken from neighbouring lines; the order was decided with that uncertainty)"]
+    year = when.year_note()
+    if when.stamped:
+        return [f"the root cause's time is printed without a year; {year}"] if year else []
+    if when.lo is not None or when.hi is not None:
+        return [f"the root-cause line carries no timestamp of its own: it happened {when.text()} "
+                "(times taken from neighbouring lines; the order was decided with that uncertainty)"
+                + (f"; {year}" if year else "")]
     return ["the root-cause line has no timestamp and none could be inferred; the order of events was taken from file positions"]
 
 
@@ -123,7 +122,7 @@ def remediation(ctx: Context, cls: str, root: Event, phase: str | None, config: 
     for r in items:
         if r.key and r.key in keys:
             continue  # the rule's own advice on this key comes first
-        text = _remedy_text(r, config)
+        text = _remedy_text(r, config, ctx.cat.config_overrides)
         if text and text not in out:
             out.append(text)
             if r.key:
@@ -164,7 +163,7 @@ def line_findings(ctx: Context, hits: list[Hit]) -> list[Finding]:
         hs.sort(key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
         ranks = {h.rank for h in hs if h.rank is not None}
         detail = (describe(hs[0]) or hs[0].rule.title or fid) + f" ({len(hs)} line(s))"
-        out.append(Finding(fid, next(iter(ranks)) if len(ranks) == 1 else None, detail, [hs[0].evidence()]))
+        out.append(Finding(fid, next(iter(ranks)) if len(ranks) == 1 else None, detail, [times.evidence(ctx.con, hs[0])]))
     return out
 
 
@@ -192,10 +191,15 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
-def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
+def _remedy_text(r: Remedy, config: RunConfig, overrides: list[ConfigOverride] = ()) -> str | None:
     why = f" ({r.why})" if r.why else ""
     if r.key is None:
         return r.text
+    for o in overrides:  # an engine argument the run set makes the key act no more: advise the one that acts
+        if o.key == r.key:
+            got = config.engine_arg(o.engine, o.arg, o.config)
+            if got is not None:
+                return _override_text(r, o, got[0], got[1], config)
     cur = config.get(r.key) if config.has(r.key) else None
     suggestion = None
     if r.to is not None:
@@ -219,6 +223,30 @@ def _remedy_text(r: Remedy, config: RunConfig) -> str | None:
         direction = "lower" if r.scale < 1 else "raise"
         return f"{r.key}: {direction} it{why}"
     return f"{r.key}{why}" if why else r.key
+
+
+def _override_text(r: Remedy, o: ConfigOverride, value: Any, where: str, config: RunConfig) -> str:
+    """Advice on ``r.key`` turned into advice on the engine argument ``o.arg`` that overrides it."""
+    cur = config.get(r.key) if config.has(r.key) else o.default
+    if r.scale is not None:
+        up = r.scale > 1
+    elif r.to is not None and isinstance(r.to, (int, float)) and isinstance(cur, (int, float)):
+        up = r.to > cur
+    else:
+        up = None
+
+    def shown(v: Any) -> str:
+        if o.unit == "bytes" and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 2**20:
+            return f"{_fmt_value(v)} ({v / 2**30:.2f} GiB)" if v >= 2**30 else f"{_fmt_value(v)} ({v / 2**20:.0f} MiB)"
+        return _fmt_value(v)
+
+    head = f"{o.arg} is {shown(value)} here ({where}), which overrides {r.key}"
+    why = f" ({o.why})" if o.why else (f" ({r.why})" if r.why else "")
+    if up is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{head}: change {o.arg}, not {r.key}{why}"
+    new = value * (o.raise_scale if up else o.lower_scale)
+    new = int(round(new)) if isinstance(value, int) else round(new, 4)
+    return f"{head}: {'raise' if up else 'lower'} {o.arg}, not {r.key}; try {shown(new)}{why}"
 
 
 def add_context(con: duckdb.DuckDBPyConnection, d: Diagnosis, n: int) -> None:
@@ -263,7 +291,10 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             if r.summary:
                 lines.append(f"  {r.summary}")
             for j, e in enumerate(r.evidence if (i == 0 or verbose) else r.evidence[:1]):
-                ts = f" [{e.ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}]" if e.ts else ""
+                shown_ts = e.when or e.ts
+                year = {"file_mtime": "year from the file's modification time", "unknown": "year unknown",
+                        "inferred": "year inferred"}.get(e.year or "")
+                ts = f" [{shown_ts}{'' if e.ts_quality in (None, 'full') else ', ' + e.ts_quality}{', ' + year if year else ''}]" if shown_ts else ""
                 lines.append(f"  {'evidence' if j == 0 else '        '}: {e.file}:{e.line}{ts}")
                 if e.context:
                     for n, text in e.context:

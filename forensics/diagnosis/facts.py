@@ -52,7 +52,7 @@ class RunFacts:
         self.pid_actor: dict[int, str] = {}
         self.node_group: dict[str, str] = {}  # node name -> canonical name (host and IP of one machine)
         self.nranks: int | None = None
-        self.config = RunConfig.load(con)
+        self.config = RunConfig.load(con, cat.engine_args)
         self._load_nodes()
         self._load_ranks()
         self.formats = Counter(dict(con.execute("SELECT format, count(*) FROM files GROUP BY format").fetchall()))
@@ -303,11 +303,12 @@ class RunConfig:
 
     TOP_KEYS = ("actor_rollout_ref", "critic", "data", "trainer", "algorithm", "reward_model", "ray_init", "custom_reward_function")
 
-    def __init__(self, values: dict[str, Any]):
+    def __init__(self, values: dict[str, Any], engine: dict[tuple[str, str], Any] | None = None):
         self.values = values
+        self.engine = engine or {}  # (engine, argument) -> value, as the engine printed its arguments
 
     @classmethod
-    def load(cls, con) -> "RunConfig":
+    def load(cls, con, engine_args: dict[str, list[str]] | None = None) -> "RunConfig":
         values: dict[str, Any] = {}
         top = "|".join(cls.TOP_KEYS)
         override = re.compile(rf"(?:^|\s)\+{{0,2}}((?:{top})(?:\.[\w]+)+)=('[^']*'|\"[^\"]*\"|\S+)")
@@ -321,7 +322,35 @@ class RunConfig:
         dump = cls._config_dump(con)
         for k, v in dump.items():
             values[k] = v  # the resolved config wins over the overrides
-        return cls(values)
+        return cls(values, cls._engine_args(con, engine_args or {}))
+
+    @staticmethod
+    def _engine_args(con, patterns: dict[str, list[str]]) -> dict[tuple[str, str], Any]:
+        """The arguments each engine printed it was started with (catalogue ``engine_args``)."""
+        out: dict[tuple[str, str], Any] = {}
+        for engine, pats in patterns.items():
+            for pat in pats:
+                rx = re.compile(pat)
+                for (msg,) in con.execute("SELECT message FROM lines WHERE regexp_matches(message, ?) "
+                                          "ORDER BY file_id, line_no LIMIT 50", [pat]).fetchall():
+                    m = rx.search(msg or "")
+                    try:
+                        args = ast.literal_eval(m.group("args")) if m else None
+                    except (ValueError, SyntaxError, MemoryError, RecursionError):
+                        continue  # cut off or not a literal: nothing to read from it
+                    if isinstance(args, dict):
+                        for k, v in args.items():
+                            out.setdefault((engine, str(k)), v)
+        return out
+
+    def engine_arg(self, engine: str, arg: str, config_keys: tuple[str, ...] = ()) -> tuple[Any, str] | None:
+        """The value the run gave the engine's argument and where it was read (the engine's
+        printed arguments, or a verl key that passes it), or None when it was not set."""
+        for key in config_keys:
+            if self.values.get(key) is not None:
+                return self.values[key], key
+        v = self.engine.get((engine, arg))
+        return (v, f"as {engine} printed its arguments") if v is not None else None
 
     @classmethod
     def _config_dump(cls, con) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from datetime import datetime
 
 import duckdb
 
-from . import explain
+from . import explain, times
 from .context import Context
 from .facts import RunFacts, table_exists
 from .model import Event, Evidence, Hit, RootCause, clip
@@ -67,12 +67,13 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
         if last is not None and phase != "init":
             step = last + 1
 
-    evidence = evidence_lines(ctx, root, causes + fallbacks, cls)
+    when = times.with_year(ctx.con, root.when, root.hits)  # the one estimate: evidence, notes, report
+    evidence = evidence_lines(ctx, root, causes + fallbacks, cls, when)
     if derived_note:  # the lagging rank's own lines, when it printed any, come first
         own = sorted((h for h in hits if h.rank == rank and h.rule.role in ("fallback", "cause")),
                      key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
         if own:
-            evidence = [own[0].evidence(), *[e for e in evidence if (e.file, e.line) != (own[0].path, own[0].line_no)]][:6]
+            evidence = [times.evidence(ctx.con, own[0]), *[e for e in evidence if (e.file, e.line) != (own[0].path, own[0].line_no)]][:6]
     # symptoms: the other classes seen after the root
     root_keys = {id(h) for h in root.hits}
     sym_classes: list[str] = []
@@ -101,7 +102,7 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
         if h.rule.role == "context" and h.cls == cls and h.rule.id not in supported and len(supported) < 3:
             supported.add(h.rule.id)
             notes.append(f"supporting: {h.rule.title or h.rule.id} ({h.path}:{h.line_no}: {clip(h.message, 120)})")
-    notes.extend(explain.time_notes(ctx, root, origin))
+    notes.extend(explain.time_notes(ctx, root, origin, when))
     notes.extend(explain.missing_evidence_notes(ctx, cls, facts, root))
     summary = explain.summary(ctx, root, cls, rank, origin)
     cascade = explain.cascade(ctx, cascade_hits, cls, rank)
@@ -288,7 +289,9 @@ def confidence(ctx: Context, root: Event, cls: str, derived: bool) -> float:
     return max(0.05, min(0.99, c))
 
 
-def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str) -> list[Evidence]:
+def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str, when: "times.When | None" = None) -> list[Evidence]:
+    """The root cause's evidence: its cited line first (with the event's time estimate ``when``), then
+    other lines of it and of the same class, in other files first."""
     first = root.origin
     out = [first]
     seen_files = {first.path}
@@ -305,7 +308,7 @@ def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str) -> li
             continue
         out.append(h)
         seen_files.add(h.path)
-    ev = [h.evidence() for h in out]
+    ev = [times.evidence(ctx.con, h, when if h is first else None) for h in out]
     if first.alarm is not None:
         for p, ln in first.alarm.also[:3]:
             row = ctx.con.execute("SELECT l.message FROM lines l JOIN files f USING (file_id) WHERE f.path = ? AND l.line_no = ?",
@@ -327,7 +330,7 @@ def alternatives(ctx: Context, root: Event, causes: list[Event], incident: RootC
         info = ctx.cat.classes.get(e.cls)
         out.append(RootCause(
             id=e.cls, confidence=max(0.05, min(0.5, e.weight * 0.5)), rank=e.rank, node=o.node, phase=o.phase,
-            step=o.step, evidence=[o.evidence()], symptoms=[], remediation=[], title=info.title if info else e.cls,
+            step=o.step, evidence=[times.evidence(ctx.con, o, e.when)], symptoms=[], remediation=[], title=info.title if info else e.cls,
             summary=explain.describe(o) or o.rule.title or e.cls,
             notes=["also seen; later than (or as early as) the root cause above"],
         ))

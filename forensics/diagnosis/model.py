@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Iterable
 
 from .. import detectors
 from ..catalogue import Rule
 from ..parsers import registry
+from ..parsers.lines.common import YEARLESS
 
 # File formats that are a process's own output (not a copy on the driver), as their
 # declarations say (parsers.base.Format.own_output): their lines are cited before a
@@ -40,6 +42,9 @@ class Evidence:
     ts_quality: str | None = None
     rule: str | None = None
     context: list[tuple[int, str]] | None = None  # (line, text) around it, when asked for
+    ts_hi: str | None = None  # a line without a stamp of its own: before this (times.When)
+    when: str | None = None  # the time estimate in words ("between A and B", ...)
+    year: str | None = None  # where the year comes from when not printed: inferred | file_mtime | unknown
 
     def to_dict(self) -> dict:
         d = {"file": self.file, "line": self.line, "text": self.text}
@@ -47,6 +52,12 @@ class Evidence:
             d["context"] = [{"line": n, "text": t} for n, t in self.context]
         if self.ts:
             d["ts"] = self.ts
+        if self.ts_hi:
+            d["ts_hi"] = self.ts_hi
+        if self.when:
+            d["when"] = self.when
+        if self.year:
+            d["year"] = self.year
         if self.ts_quality:
             d["ts_quality"] = self.ts_quality
         if self.rule:
@@ -142,6 +153,64 @@ class Diagnosis:
         return f"failed: {r.id} ({r.confidence:.2f})" + (f" on {', '.join(where)}" if where else "") + cite
 
 
+# -- time estimates (forensics.diagnosis.times uses them; here, where Event needs them) -----
+
+# where the year of a time comes from
+PRINTED, INFERRED, FILE_MTIME, UNKNOWN = "printed", "inferred", "file_mtime", "unknown"
+
+
+@dataclass(frozen=True)
+class When:
+    lo: datetime | None  # at or after
+    hi: datetime | None  # before (None: open)
+    stamped: bool  # printed on the line (lo == hi)
+    year: str = PRINTED
+
+    def _fmt(self, t: datetime) -> str:
+        return f"{t:%m-%d %H:%M:%S}" if self.year == UNKNOWN else f"{t:%Y-%m-%d %H:%M:%S}"
+
+    def text(self) -> str | None:
+        """The estimate in words: a time, ``between A and B``, ``at or after A``; None without one."""
+        if self.lo is None:
+            return f"before {self._fmt(self.hi)}" if self.hi is not None else None
+        if self.stamped:
+            return self._fmt(self.lo)
+        if self.hi is not None and self._fmt(self.hi) == self._fmt(self.lo):
+            return f"about {self._fmt(self.lo)}"
+        if self.hi is not None:
+            return f"between {self._fmt(self.lo)} and {self._fmt(self.hi)}"
+        return f"at or after {self._fmt(self.lo)}"
+
+    def year_note(self) -> str | None:
+        return {INFERRED: "the year was inferred from other stamps of the run",
+                FILE_MTIME: "the year was taken from the file's modification time",
+                UNKNOWN: "the year is unknown (the run prints none and the file has no modification time)"}.get(self.year)
+
+    def iso(self, t: datetime | None) -> str | None:
+        if t is None:
+            return None
+        return f"{t:%m-%d %H:%M:%S.%f}" if self.year == UNKNOWN else t.isoformat(sep=" ")
+
+
+def _placeholder(h: "Hit") -> bool:
+    return h.ts is not None and h.ts.year == YEARLESS and h.ts_quality in ("no_year", "inherited")
+
+
+def of_hits(hits: Iterable["Hit"]) -> When:
+    """The estimate of one event from its hits (or of one line: a list of one)."""
+    hits = list(hits)
+    precise = [h for h in hits if h.precise]
+    if precise:
+        first = min(precise, key=lambda h: h.ts)
+        year = INFERRED if first.ts_quality in ("year_inferred", "no_year") else PRINTED
+        return When(first.ts, first.ts, True, year)
+    inherited = [h for h in hits if h.ts is not None]
+    his = [h.ts_hi for h in hits if h.ts_hi is not None]
+    lo = max((h.ts for h in inherited), default=None)
+    year = PRINTED if not any(_placeholder(h) for h in inherited) else INFERRED
+    return When(lo, min(his) if his else None, False, year)
+
+
 # -- internal records --------------------------------------------------------------------
 
 @dataclass
@@ -204,7 +273,7 @@ class Hit:
                         ts=self.ts.isoformat(sep=" ") if self.ts else None, ts_quality=self.ts_quality, rule=self.rule.id)
 
 
-@dataclass
+@dataclass(eq=False)  # an event is itself: `e in events` must not compare every hit of every event
 class Event:
     """One failure as seen through one or more files (copies of the same lines)."""
 
@@ -216,21 +285,19 @@ class Event:
     def weight(self) -> float:
         return max(h.rule.weight for h in self.hits)
 
+    @cached_property
+    def when(self) -> "When":
+        """The event's time estimate (:func:`of_hits`, the one source of it; its hits are
+        placed, and their times known, before events are made)."""
+        return of_hits(self.hits)
+
     @property
     def lo(self) -> datetime | None:
-        precise = [h.ts for h in self.hits if h.precise]
-        if precise:
-            return min(precise)
-        inherited = [h.ts for h in self.hits if h.ts is not None]
-        return max(inherited) if inherited else None
+        return self.when.lo
 
     @property
     def hi(self) -> datetime | None:
-        precise = [h.ts for h in self.hits if h.precise]
-        if precise:
-            return min(precise)
-        his = [h.ts_hi for h in self.hits if h.ts_hi is not None]
-        return min(his) if his else None
+        return self.when.hi
 
     @property
     def origin(self) -> Hit:

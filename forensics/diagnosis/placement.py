@@ -51,20 +51,6 @@ def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
             h.body = bodies.get((h.file_id, h.event_line))
 
 
-def attach_ts_hi(ctx: Context, hits: list[Hit]) -> None:
-    need = [(h.file_id, h.line_no) for h in hits if h.ts_quality not in PRECISE and h.line_no is not None]
-    if not need:
-        return
-    rows = keyed_rows(ctx, "_diag_need", need, "line_no",
-                      """SELECT n.file_id, n.line_no, s.ts FROM _diag_need n ASOF LEFT JOIN
-                         (SELECT file_id, line_no, ts FROM lines WHERE ts_quality IN ('full', 'year_inferred', 'no_year')) s
-                         ON n.file_id = s.file_id AND s.line_no >= n.line_no""")
-    nxt = {(a, b): c for a, b, c in rows}
-    for h in hits:
-        if h.ts_quality not in PRECISE:
-            h.ts_hi = nxt.get((h.file_id, h.line_no))
-
-
 def attach_task_pids(ctx: Context, hits: list[Hit]) -> None:
     """A traceback printed under a Ray task header (``RayTaskError(...): ray::X.m() (pid=N``,
     ``Unhandled error ...: ray::X.m() (pid=N``) is worker N's, even when the driver's
