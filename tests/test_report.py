@@ -131,9 +131,10 @@ def test_large_timelines_become_a_grid():
     assert rows == ["c" * 100]
 
 
-@pytest.mark.parametrize("max_segments, fetched", [(10, False), (36, True)], ids=["grid-in-db", "grid-of-fetched-spans"])
+@pytest.mark.parametrize("max_segments, fetched", [(10, False), (41, True)], ids=["grid-in-db", "grid-of-fetched-spans"])
 def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch, max_segments, fetched):
-    """The fixture has 36 phase spans and 24 GPU events. Beyond MAX_SEGMENTS phase spans the
+    """The fixture has 41 phase spans (36 measured, and the untimed part of each of its 5 metric
+    steps) and 24 GPU events. Beyond MAX_SEGMENTS phase spans the
     grid is computed in the database; with fewer, but too many together with the GPU bars, the
     fetched spans are gridded."""
     db = build_db(tmp_path, "phase_straggler")
@@ -146,7 +147,7 @@ def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch, max_segme
     result = rp.write_report(db, out)
     page = out.read_text()
     assert bool(fetches) == fetched
-    assert result.aggregated and "aggregated into bins" in page and result.spans == 36 + 24
+    assert result.aggregated and "aggregated into bins" in page and result.spans == 41 + 24
     figs = embedded_data(page)["figures"]
     heat = [t for t in figs["timeline"]["data"] if t["type"] == "heatmap"]
     lanes = figs["timeline"]["layout"]["yaxis"]["ticktext"]
