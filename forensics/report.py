@@ -360,7 +360,7 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict],
                               + " · click: the lines around it") for e in marks],
             "hoverinfo": "text", "customdata": [e.get("ctx") for e in marks],
         })
-    for role, name, symbol, color in CASCADE_MARKERS:
+    for role, name, symbol, color, size in CASCADE_MARKERS:  # the root cause last: drawn on top
         sub = [e for e in cascade if e.get("ts_us") is not None and (e.get("role") == "root") == (role == "root")]
         if not sub:
             continue
@@ -368,7 +368,7 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict],
             "type": "scatter", "mode": "markers", "name": name,
             "x": [round((e["ts_us"] - t0) / 1e6, 6) for e in sub],
             "y": [row[_lane_of(e)] for e in sub],
-            "marker": {"symbol": [symbol + ("-open" if e.get("ts_approx") else "") for e in sub], "size": 11,
+            "marker": {"symbol": [symbol + ("-open" if e.get("ts_approx") else "") for e in sub], "size": size,
                        "color": color, "line": {"width": 1.5, "color": color}},
             "hovertext": [esc(_cascade_hover(e)) for e in sub],
             "hoverinfo": "text", "customdata": [e.get("ctx") for e in sub],
@@ -384,7 +384,7 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict],
 
 
 # the root cause and what followed from it, drawn per rank: (role, legend name, symbol, color)
-CASCADE_MARKERS = (("root", "root cause", "star", "#D62728"), ("follow", "what followed", "diamond", "#FF7F0E"))
+CASCADE_MARKERS = (("follow", "what followed", "diamond", "#FF7F0E", 10), ("root", "root cause", "star", "#D62728", 16))
 
 
 def _cascade_hover(e: dict) -> str:
@@ -760,17 +760,24 @@ def _fallback_evidence(con: duckdb.DuckDBPyConnection) -> list[dict]:
     return df.to_dicts()
 
 
-def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyConnection) -> int | None:
+def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyConnection,
+                  cascade: list[dict] = ()) -> int | None:
+    """The diagnosis's step, else the step running when the root cause's first timed line (or
+    its event on the timeline) was written: the last step started by then (marker lines, else
+    the steps placed from durations), or the one after a placed step that had already ended."""
     if diag and diag.get("root_causes"):
         step = diag["root_causes"][0].get("step")
         if step is not None:
             return int(step)
-        first = next((e for e in evidence if e.get("_cause") == 0 and e.get("ts_us") is not None), None)
+        first = next((e for e in [*evidence, *cascade[:1]] if e.get("_cause", 0) == 0 and e.get("ts_us") is not None), None)
         if first:
-            row = con.execute("SELECT max(step) FROM phase_log_steps WHERE rank IS NULL AND start_us <= ?",
-                              [first["ts_us"]]).fetchall()
+            row = con.execute("""
+                SELECT step, pref = 1 AND end_us < ? FROM (
+                    SELECT step, start_us, end_us, 0 AS pref FROM phase_log_steps WHERE rank IS NULL
+                    UNION ALL SELECT step, start_us, end_us, 1 FROM phase_step_placement)
+                WHERE start_us <= ? ORDER BY pref, step DESC LIMIT 1""", [first["ts_us"], first["ts_us"]]).fetchall()
             if row and row[0][0] is not None:
-                return int(row[0][0])
+                return int(row[0][0]) + (1 if row[0][1] else 0)
     return None
 
 
@@ -822,7 +829,7 @@ def _content(con: duckdb.DuckDBPyConnection, diag: dict | None, diag_note: str |
     for f in fd.findings(con):
         if (f["id"], f["rank"], f["detail"]) not in seen:
             found.append(f)
-    failure_step = _failure_step(diag, evidence, con)
+    failure_step = _failure_step(diag, evidence, con, cascade)
     timeline, tinfo = _timeline_figure(con, evidence, cascade)
     steps_fig, _ = _steps_figure(con, failure_step)
     if tinfo["aggregated"]:
@@ -870,7 +877,10 @@ def _page(title: str, db_name: str, c: dict[str, Any]) -> str:
         _plot_div("timeline", figures["timeline"], "No phase spans: no profiler trace, Ray timeline, marker lines or "
                   "timed metrics with time stamps."),
         '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines (open crosses: lines without '
-        'a time stamp of their own, placed at the last stamped line of that rank\'s files).</p></section>',
+        'a time stamp of their own, placed at the last stamped line of that rank\'s files). Star: the root cause; '
+        'diamonds: what followed it, on the lane of their rank (open: time not printed on the line). Click a marker '
+        'for the lines around it. Steps known only from timing metrics are placed from their durations (see the '
+        'hover).</p></section>',
         '<section id="steps"><h2>Phases per step</h2>',
         _plot_div("steps", figures["steps"], "No per-step phase figures."),
         "</section>",

@@ -127,6 +127,9 @@ def test_sample_quick_start_timeline_has_steps_and_phases(tmp_path):
     assert {lanes[y] for y in then["y"]} >= {f"rank {r}" for r in (0, 1, 2, 3, 4, 5, 7)}
     assert root["x"][0] <= min(then["x"])
     assert root["x"][0] > max(b + w for b, w in zip(data["sync"]["base"], data["sync"]["x"]))  # after step 6
+    assert "no time stamp" in root["hovertext"][0] and root["marker"]["symbol"] == ["star-open"]
+    # ... so the failure is marked in step 7, the step after the last one logged
+    assert figs["steps"]["layout"]["shapes"][0]["x0"] == 7
 
 
 def test_driver_only_corpus_logs_get_steps(corpus, tmp_path):
