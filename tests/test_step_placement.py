@@ -161,3 +161,34 @@ def test_driver_only_corpus_logs_get_steps(corpus, tmp_path):
         drawn = {int(m) for t in figs["timeline"]["data"] if t["type"] == "bar"
                  for h in t["hovertext"] for m in re.findall(r"step (\d+)", h)}
         assert drawn == timed, log
+
+
+def test_a_step_line_with_its_own_stamp_ends_there(tmp_path):
+    """Rows as a parser writes them for step lines that carry their own time stamp: each
+    step ends at its line's stamp, whatever a progress bar says; a step without a stamped
+    line follows the one before it by its duration."""
+    from forensics.store import Store
+
+    db = tmp_path / "own.duckdb"
+    Store(db).close()
+    con = duckdb.connect(str(db))
+    con.execute("INSERT INTO files (file_id, root, path, format, kind, status) VALUES (1, 'r', 'driver.log', 'driver', 'text', 'ok')")
+    stamped = {1: "2026-05-04 09:02:10", 2: "2026-05-04 09:03:50", 3: None}
+    elapsed = {1: "01:30", 2: "03:10", 3: "04:40"}
+    for step, ts in stamped.items():
+        line = 2 * step
+        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, message, text) VALUES (1, ?, ?, ?, ?, ?)",
+                    [line, ts or "2026-05-04 09:03:50", "full" if ts else "inherited", f"step:{step} - ...", f"step:{step} - ..."])
+        for key, value in (("timing_s/gen", 50.0), ("timing_s/update_actor", 30.0), ("timing_s/step", 90.0)):
+            con.execute("INSERT INTO metrics (file_id, line_no, ts, step, key, value, source) VALUES (1, ?, ?, ?, ?, ?, 'console')",
+                        [line, ts or "2026-05-04 09:03:50", step, key, value])
+        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, message, text) VALUES (1, ?, ?, 'inherited', ?, ?)",
+                    [line + 1, ts or "2026-05-04 09:03:50", f"Training Progress: 5%|#| {step}/9 [{elapsed[step]}<00:10, 90.00s/it]",
+                     "Training Progress"])
+    con.close()
+    rows = placement(db)
+    assert [(r["step"], r["placed_by"]) for r in rows] == [(1, "step line"), (2, "step line"), (3, "progress bar")]
+    assert [r["end_us"] for r in rows[:2]] == [us("2026-05-04 09:02:10"), us("2026-05-04 09:03:50")]
+    assert rows[0]["start_us"] == us("2026-05-04 09:00:40")  # timing_s/step = 90 s
+    # the bar's start follows from the stamped steps (09:02:10 - 01:30); step 3 at 04:40 after it
+    assert rows[2]["end_us"] == us("2026-05-04 09:05:20")

@@ -9,7 +9,8 @@
 --      stamp printed on the line, a Ray driver prefix with a time, a JSONL record's time);
 --   2. `progress bar`: the training progress bar (`Training Progress: ... | 3/42 [09:48<...`,
 --      `progress_bar_regex` in signatures/phases.yaml) says how long after its start step N
---      was done; the bar's start is the time its own stamped lines imply, else the stamp of
+--      was done; the bar's start is the time its own stamped lines imply, else the time the
+--      steps placed by 1 imply, else the stamp of
 --      the last stamped line before its first update (the bar is created just before the
 --      first step), kept within what the stamped lines around each update allow (a line
 --      printed before an update happened before it, a line printed after it later);
@@ -104,14 +105,18 @@ WITH met AS (
     FROM upd u ASOF JOIN stamped a ON a.file_id = u.file_id AND a.line_no > u.line_no
     GROUP BY u.file_id, u.bar
 ), bars AS (
-    SELECT file_id, bar,
-           median(ts_us - elapsed_s * 1e6) FILTER (WHERE own AND i = 1) AS own_t0,
-           arg_min(ts_us, (line_no, i)) AS first_ts,
-           max(ts_us - elapsed_s * 1e6) FILTER (WHERE NOT own) AS lb
-    FROM upd GROUP BY file_id, bar
+    SELECT u.file_id, u.bar,
+           median(u.ts_us - u.elapsed_s * 1e6) FILTER (WHERE u.own AND u.i = 1) AS own_t0,
+           median(l.own_us - u.elapsed_s * 1e6) AS step_t0,
+           arg_min(u.ts_us, (u.line_no, u.i)) AS first_ts,
+           max(u.ts_us - u.elapsed_s * 1e6) FILTER (WHERE NOT u.own) AS lb
+    FROM upd u LEFT JOIN line_of l ON l.step = u.n
+    GROUP BY u.file_id, u.bar
 ), bar_t0 AS (
+    -- the bar's own stamps, else the steps whose line has a stamp, else the last stamp before it
     SELECT b.file_id, b.bar,
-           coalesce(b.own_t0, least(greatest(b.first_ts, coalesce(b.lb, b.first_ts)), coalesce(a.ub, b.first_ts + 1e18))) AS t0_us
+           coalesce(b.own_t0, b.step_t0,
+                    least(greatest(b.first_ts, coalesce(b.lb, b.first_ts)), coalesce(a.ub, b.first_ts + 1e18))) AS t0_us
     FROM bars b LEFT JOIN after a USING (file_id, bar)
 ), bar_end AS (
     SELECT u.n AS step, arg_max(t.t0_us + u.elapsed_s * 1e6, (u.file_id, u.line_no, u.i)) AS end_us
