@@ -179,7 +179,7 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
 # The expensive views, in dependency order: ``cached`` materialises each as a TEMP table of
 # the same name, which the later views (and the caller's queries) then read instead.
 CACHED_VIEWS = (
-    "_phase_log_markers", "phase_names", "phase_log_steps", "phase_profiler_steps", "phase_spans", "_phase_kineto_segments",
+    "_phase_log_markers", "phase_names", "phase_log_steps", "phase_step_placement", "phase_profiler_steps", "phase_spans", "_phase_kineto_segments",
     "phase_gpu_events", "_phase_collective_matches", "phase_collectives", "phases", "phase_steps",
     "phase_run_steps", "phase_timeline",
 )

@@ -26,6 +26,7 @@ import html
 import json
 import math
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -164,6 +165,14 @@ def _lane_sql(rank: str, gpu: bool = False) -> str:
     return f"CASE WHEN {rank} IS NULL THEN 'run' ELSE 'rank ' || {rank} END"
 
 
+# How a span of a step known only from its timing metrics was placed (phase_timeline.placement)
+PLACEMENT_TEXT = {
+    "step start marker": "placement derived from durations: phases laid out from the step's start marker line by their timing metrics",
+    "step line": "placement derived from durations: the step ends at its metric line's time stamp, phases laid out backwards by their timing metrics",
+    "progress bar": "placement derived from durations: the step ends where the progress bar's elapsed time puts it, phases laid out backwards by their timing metrics",
+    "step durations": "placement derived from durations: steps laid end to end by timing_s/step, phases laid out backwards by their timing metrics",
+}
+
 KIND_SQL = "CASE WHEN phase = 'rollout' AND sub_phase = 'logprob' THEN 'rollout/logprob' ELSE phase END"
 GPU_KIND_SQL = "CASE WHEN is_nccl THEN 'nccl' ELSE 'gpu' END"
 
@@ -172,10 +181,11 @@ def _timeline_spans(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """Phase spans and GPU busy intervals, one frame: lane, kind, step, name, start_us, end_us,
     source, approximate."""
     spans = _q(con, f"""
-        SELECT {_lane_sql('rank')} AS lane, {KIND_SQL} AS kind, step, name, start_us, end_us, source, approximate
+        SELECT {_lane_sql('rank')} AS lane, {KIND_SQL} AS kind, step, name, start_us, end_us, source, approximate, placement
         FROM phase_timeline WHERE end_us > start_us""")
     gpu = _q(con, f"""SELECT {_lane_sql('rank', gpu=True)} AS lane, {GPU_KIND_SQL} AS kind, NULL::BIGINT AS step,
-                             NULL::VARCHAR AS name, start_us, end_us, 'kineto' AS source, false AS approximate
+                             NULL::VARCHAR AS name, start_us, end_us, 'kineto' AS source, false AS approximate,
+                             NULL::VARCHAR AS placement
                       FROM ({_gpu_lanes_sql(con, MAX_SEGMENTS // 2)})""")
     return pl.concat([spans, gpu], how="vertical_relaxed")
 
@@ -267,20 +277,25 @@ def _timeline_present(con: duckdb.DuckDBPyConnection, spans: pl.DataFrame | None
         FROM phase_gpu_events GROUP BY rank, is_nccl""")
 
 
-def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tuple[dict | None, dict]:
+def _lane_of(item: dict) -> str:
+    return "run" if item.get("rank") is None else f"rank {item['rank']}"
+
+
+def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict],
+                     cascade: list[dict] = ()) -> tuple[dict | None, dict]:
     n_spans, n_gpu = con.execute("""SELECT (SELECT count(*) FROM phase_timeline WHERE end_us > start_us),
                                            (SELECT count(*) FROM phase_gpu_events)""").fetchall()[0]
     info: dict[str, Any] = {"spans": n_spans + n_gpu, "segments": 0, "aggregated": False, "bin_s": 0.0}
     # beyond MAX_SEGMENTS phase spans the grid is computed in the database: no span is fetched
     spans = _timeline_spans(con) if n_spans <= MAX_SEGMENTS else None
     present = _timeline_present(con, spans)
-    ev_ts = [e["ts_us"] for e in evidence if e.get("ts_us") is not None]
+    placed = [e for e in [*evidence, *cascade] if e.get("ts_us") is not None]
+    ev_ts = [e["ts_us"] for e in placed]
     if present.is_empty() and not ev_ts:
         return None, info
     t0 = min(([present["start_us"].min()] if present.height else []) + ev_ts)
     t1 = max(([present["end_us"].max()] if present.height else []) + ev_ts)
-    lanes = _lane_order(sorted(set(present["lane"].to_list()) | ({"run"} if any(e.get("rank") is None for e in evidence if e.get("ts_us")) else set())
-                               | {f"rank {e['rank']}" for e in evidence if e.get("ts_us") is not None and e.get("rank") is not None}))
+    lanes = _lane_order(sorted(set(present["lane"].to_list()) | {_lane_of(e) for e in placed}))
     row = {lane: i for i, lane in enumerate(lanes)}
     traces: list[dict] = []
     kinds = [k for k in PHASE_ORDER + ["gpu", "nccl"] if k in set(present["kind"].to_list())]
@@ -321,9 +336,10 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
             if exact:
                 text = [
                     esc(f"{label}{' step ' + str(s) if s is not None else ''}{' · ' + n if n else ''} · {(e - b):.4f} s · {src}"
-                        + (" (approximate)" if ap else ""))
-                    for s, n, b, e, src, ap in zip(sub["step"].to_list(), sub["name"].to_list(), start, end,
-                                                   sub["source"].to_list(), sub["approximate"].to_list())
+                        + (f" ({PLACEMENT_TEXT.get(pl, 'approximate')})" if ap else ""))
+                    for s, n, b, e, src, ap, pl in zip(sub["step"].to_list(), sub["name"].to_list(), start, end,
+                                                       sub["source"].to_list(), sub["approximate"].to_list(),
+                                                       sub["placement"].to_list())
                 ]
                 traces.append({"type": "bar", "orientation": "h", "name": label, "base": start,
                                "x": [round(e - b, 6) for b, e in zip(start, end)], "y": rows,
@@ -337,13 +353,27 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
         traces.append({
             "type": "scatter", "mode": "markers", "name": "evidence",
             "x": [round((e["ts_us"] - t0) / 1e6, 6) for e in marks],
-            "y": [row["run" if e.get("rank") is None else f"rank {e['rank']}"] for e in marks],
+            "y": [row[_lane_of(e)] for e in marks],
             "marker": {"symbol": ["x-open" if e.get("ts_approx") else "x" for e in marks], "size": 12, "color": "#D62728",
                        "line": {"width": 2}},
             "hovertext": [esc(f"{e.get('file')}:{e.get('line')}: {str(e.get('text') or '')[:300]}"
                               + (f" (no time stamp of its own: {e['when']})" if e.get("ts_approx") and e.get("when")
-                                 else " (time estimated: the line has no time stamp)" if e.get("ts_approx") else "")) for e in marks],
-            "hoverinfo": "text",
+                                 else " (time estimated: the line has no time stamp)" if e.get("ts_approx") else "")
+                              + " · click: the lines around it") for e in marks],
+            "hoverinfo": "text", "customdata": [e.get("ctx") for e in marks],
+        })
+    for role, name, symbol, color, size in CASCADE_MARKERS:  # the root cause last: drawn on top
+        sub = [e for e in cascade if e.get("ts_us") is not None and (e.get("role") == "root") == (role == "root")]
+        if not sub:
+            continue
+        traces.append({
+            "type": "scatter", "mode": "markers", "name": name,
+            "x": [round((e["ts_us"] - t0) / 1e6, 6) for e in sub],
+            "y": [row[_lane_of(e)] for e in sub],
+            "marker": {"symbol": [symbol + ("-open" if e.get("ts_approx") else "") for e in sub], "size": size,
+                       "color": color, "line": {"width": 1.5, "color": color}},
+            "hovertext": [esc(_cascade_hover(e)) for e in sub],
+            "hoverinfo": "text", "customdata": [e.get("ctx") for e in sub],
         })
     height = min(max(260, 60 + 22 * len(lanes)), 2400)
     layout = {
@@ -353,6 +383,22 @@ def _timeline_figure(con: duckdb.DuckDBPyConnection, evidence: list[dict]) -> tu
         "legend": {"orientation": "h", "y": 1.08}, "hovermode": "closest",
     }
     return {"data": traces, "layout": layout}, info
+
+
+# the root cause and what followed from it, drawn per rank: (role, legend name, symbol, color)
+CASCADE_MARKERS = (("follow", "what followed", "diamond", "#FF7F0E", 10), ("root", "root cause", "star", "#D62728", 16))
+
+
+def _cascade_hover(e: dict) -> str:
+    who = "run/driver" if e.get("rank") is None else f"rank {e['rank']}"
+    head = "ROOT CAUSE" if e.get("role") == "root" else "then"
+    when = ""
+    if e.get("ts_note"):
+        when = f" ({e['ts_note']})"
+    elif e.get("ts_approx"):
+        when = " (time inherited from an earlier stamped line: a lower bound)"
+    return (f"{head}: {e.get('class')} · {who} · {e.get('what')}{when} · {e.get('file')}:{e.get('line')}: "
+            f"{str(e.get('text') or '')[:200]} · click: the lines around it")
 
 
 def _iso(ts_us: float) -> str:
@@ -462,6 +508,10 @@ pre.line{white-space:pre-wrap;word-break:break-all;margin:0;font-size:12px;backg
 .note{font-size:12px;color:#666}
 .tag{display:inline-block;background:#eee;border-radius:3px;padding:0 5px;margin:0 3px 0 0;font-size:12px}
 ul{margin:4px 0 4px 18px;padding:0}
+details.ctx summary,details.events summary{cursor:pointer;font-size:12px;color:#1f5fa8}
+pre.ctx{white-space:pre-wrap;word-break:break-all;margin:2px 0 6px;font-size:11px;background:#f4f6f8;padding:4px 6px;border-left:3px solid #1f5fa8}
+pre.ctx mark{background:#ffe08a;display:inline-block;width:100%}
+details.ctx.flash{outline:2px solid #FF7F0E}
 """
 
 RENDER_JS = """
@@ -486,6 +536,16 @@ RENDER_JS = """
     });
     return fig;
   }
+  // a marker's click opens the lines around the line it cites (a <details> in the incident card)
+  function openContext(id){
+    var el = document.getElementById(id);
+    if(!el){ return; }
+    for(var p = el; p; p = p.parentElement){ if(p.tagName === 'DETAILS'){ p.open = true; } }
+    el.classList.add('flash');
+    setTimeout(function(){ el.classList.remove('flash'); }, 2000);
+    el.scrollIntoView({block: 'center'});
+  }
+  window.forensicsOpenContext = openContext;
   var plots = [];
   ['timeline','steps','metrics'].forEach(function(k){
     var div = document.getElementById('plot-' + k);
@@ -495,6 +555,10 @@ RENDER_JS = """
     if(!p.drawn){
       var t0 = performance.now();
       p.drawn = Plotly.newPlot(p.div, expand(p.fig).data, p.fig.layout, config).then(function(){
+        p.div.on('plotly_click', function(ev){
+          var pt = ev && ev.points && ev.points[0];
+          if(pt && typeof pt.customdata === 'string'){ openContext(pt.customdata); }
+        });
         p.div.setAttribute('data-rendered', '1');
         p.div.setAttribute('data-render-ms', String(Math.round(performance.now() - t0)));
       });
@@ -524,7 +588,7 @@ RENDER_JS = """
 """
 
 
-def _card_html(diag: dict | None, note: str | None, evidence: list[dict]) -> str:
+def _card_html(diag: dict | None, note: str | None, evidence: list[dict], cascade: list[dict] = ()) -> str:
     parts = []
     if diag is None:
         parts.append('<section class="card" id="incident"><h2>Incident</h2>')
@@ -558,9 +622,11 @@ def _card_html(diag: dict | None, note: str | None, evidence: list[dict]) -> str
         evs = [e for e in evidence if e.get("_cause") == i]
         if evs:
             parts.append("<p>Evidence:</p>" + _evidence_list(evs))
-        cascade = list(rc.get("cascade") or []) + [f"symptom: {s}" for s in rc.get("symptoms") or []]
-        if cascade:
-            parts.append("<p>Cascade:</p><ul>" + "".join(f"<li>{esc(c)}</li>" for c in cascade) + "</ul>")
+        cascade_text = list(rc.get("cascade") or []) + [f"symptom: {s}" for s in rc.get("symptoms") or []]
+        if cascade_text:
+            parts.append("<p>Cascade:</p><ul>" + "".join(f"<li>{esc(c)}</li>" for c in cascade_text) + "</ul>")
+        if i == 0 and cascade:
+            parts.append(_cascade_table(cascade))
         if rc.get("remediation"):
             parts.append("<p>Remediation:</p><ul>" + "".join(f"<li>{esc(r)}</li>" for r in rc["remediation"]) + "</ul>")
     for n in diag.get("notes") or []:
@@ -576,9 +642,88 @@ def _evidence_list(evidence: list[dict]) -> str:
                 f" · {'about ' if e.get('ts_approx') else ''}{esc(_iso(e['ts_us']))}" if e.get("ts_us") is not None else "")
         rank = f" · rank {esc(e['rank'])}" if e.get("rank") is not None else ""
         rows.append(f'<li><span class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}{when}{rank}</span>'
-                    f'<pre class="line">{esc(e.get("text"))}</pre></li>')
+                    f'<pre class="line">{esc(e.get("text"))}</pre>{_context_html(e)}</li>')
     more = f'<li class="note">{len(evidence) - MAX_EVIDENCE} more not shown</li>' if len(evidence) > MAX_EVIDENCE else ""
     return "<ul>" + "".join(rows) + more + "</ul>"
+
+
+CONTEXT_LINES = 6  # lines of its file shown either side of a cited line
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+def _cascade_items(diag: dict | None) -> list[dict]:
+    """The first root cause's event and the events that followed it (the diagnosis's
+    ``cascade_events``), with ``ts_us``. A root cause without a time of its own is drawn at
+    the first event that followed it (the latest it can have happened), and says so."""
+    rcs = (diag or {}).get("root_causes") or []
+    items = []
+    for e in (rcs[0].get("cascade_events") or []) if rcs else []:
+        ts = e.get("ts")
+        ts_us = datetime.fromisoformat(ts).replace(tzinfo=timezone.utc).timestamp() * 1e6 if ts else None
+        items.append({**e, "ts_us": ts_us, "ts_approx": bool(ts) and not e.get("ts_precise")})
+    if items and items[0].get("role") == "root" and items[0]["ts_us"] is None:
+        later = [e["ts_us"] for e in items[1:] if e["ts_us"] is not None]
+        if later:
+            items[0].update(ts_us=min(later), ts_approx=True,
+                            ts_note="its line has no time stamp: drawn at the first event that followed it, the latest it can have happened")
+    return items
+
+
+def _attach_context(con: duckdb.DuckDBPyConnection, items: list[dict], prefix: str) -> None:
+    """Give each item citing a line (``file``, ``line``) an element id (``ctx``) and the
+    ``CONTEXT_LINES`` lines of its file either side (``context``: (line_no, text) pairs), in one
+    query."""
+    keys = []
+    for i, e in enumerate(items):
+        e["ctx"] = f"ctx-{prefix}{i}"
+        if e.get("file") is not None and isinstance(e.get("line"), int):
+            keys.append((i, str(e["file"]), int(e["line"])))
+    if not keys:
+        return
+    frame = pl.DataFrame({"i": [k[0] for k in keys], "path": [k[1] for k in keys], "line_no": [k[2] for k in keys]},
+                         schema={"i": pl.Int64, "path": pl.String, "line_no": pl.Int64})
+    con.register("_ctx_keys", frame.to_arrow())
+    try:
+        rows = con.execute(f"""
+            WITH want AS (
+                SELECT k.i, f.file_id, unnest(range(greatest(k.line_no - {CONTEXT_LINES}, 1), k.line_no + {CONTEXT_LINES + 1})) AS line_no
+                FROM _ctx_keys k JOIN files f ON f.path = k.path
+            )
+            SELECT w.i, l.line_no, l.text FROM want w JOIN lines l USING (file_id, line_no)
+            ORDER BY w.i, l.line_no""").fetchall()
+    finally:
+        con.unregister("_ctx_keys")
+    for i, n, text in rows:
+        items[i].setdefault("context", []).append((int(n), _ANSI.sub("", text or "")))
+
+
+def _context_html(e: dict) -> str:
+    """The lines around a cited line, folded: a <details> element the timeline's markers open."""
+    ctx = e.get("context")
+    if not ctx or not e.get("ctx"):
+        return ""
+    cited = e.get("line")
+    width = len(str(ctx[-1][0]))
+    body = "\n".join((f'<mark>{n:>{width}}  {esc(t)}</mark>' if n == cited else f"{n:>{width}}  {esc(t)}") for n, t in ctx)
+    return (f'<details class="ctx" id="{esc(e["ctx"])}"><summary>{esc(e.get("file"))}:{esc(cited)} — lines '
+            f'{ctx[0][0]}–{ctx[-1][0]} of the file</summary><pre class="ctx">{body}</pre></details>')
+
+
+def _cascade_table(events: list[dict]) -> str:
+    """Every event of the cascade, the root cause first: when, where, what, the line and its context."""
+    rows = []
+    for e in events:
+        when = ""
+        if e.get("ts_us") is not None:
+            when = ("≤ " if e.get("ts_note") else "about " if e.get("ts_approx") else "") + _iso(e["ts_us"])
+        who = "run/driver" if e.get("rank") is None else f"rank {e['rank']}"
+        rows.append(f"<tr><td>{esc('root cause' if e.get('role') == 'root' else e.get('role'))}</td><td>{esc(when)}</td>"
+                    f"<td>{esc(who)}</td><td>{esc(e.get('class'))}</td><td>{esc(e.get('what'))}"
+                    f'<div class="cite">{esc(e.get("file"))}:{esc(e.get("line"))}</div>'
+                    f'<pre class="line">{esc(e.get("text"))}</pre>{_context_html(e)}</td></tr>')
+    return (f'<details class="events" id="cascade-events"><summary>The cascade event by event ({len(events)}; '
+            "the timeline draws them per rank)</summary><table><tr><th>role</th><th>time (UTC)</th><th>where</th>"
+            "<th>class</th><th>what</th></tr>" + "".join(rows) + "</table></details>")
 
 
 def _findings_html(found: list[dict]) -> str:
@@ -617,17 +762,24 @@ def _fallback_evidence(con: duckdb.DuckDBPyConnection) -> list[dict]:
     return df.to_dicts()
 
 
-def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyConnection) -> int | None:
+def _failure_step(diag: dict | None, evidence: list[dict], con: duckdb.DuckDBPyConnection,
+                  cascade: list[dict] = ()) -> int | None:
+    """The diagnosis's step, else the step running when the root cause's first timed line (or
+    its event on the timeline) was written: the last step started by then (marker lines, else
+    the steps placed from durations), or the one after a placed step that had already ended."""
     if diag and diag.get("root_causes"):
         step = diag["root_causes"][0].get("step")
         if step is not None:
             return int(step)
-        first = next((e for e in evidence if e.get("_cause") == 0 and e.get("ts_us") is not None), None)
+        first = next((e for e in [*evidence, *cascade[:1]] if e.get("_cause", 0) == 0 and e.get("ts_us") is not None), None)
         if first:
-            row = con.execute("SELECT max(step) FROM phase_log_steps WHERE rank IS NULL AND start_us <= ?",
-                              [first["ts_us"]]).fetchall()
+            row = con.execute("""
+                SELECT step, pref = 1 AND end_us < ? FROM (
+                    SELECT step, start_us, end_us, 0 AS pref FROM phase_log_steps WHERE rank IS NULL
+                    UNION ALL SELECT step, start_us, end_us, 1 FROM phase_step_placement)
+                WHERE start_us <= ? ORDER BY pref, step DESC LIMIT 1""", [first["ts_us"], first["ts_us"]]).fetchall()
             if row and row[0][0] is not None:
-                return int(row[0][0])
+                return int(row[0][0]) + (1 if row[0][1] else 0)
     return None
 
 
@@ -671,13 +823,16 @@ def _content(con: duckdb.DuckDBPyConnection, diag: dict | None, diag_note: str |
     else:
         evidence = [{**e, "_cause": 0} for e in _fallback_evidence(con)]
     evidence = _locate_evidence(con, evidence)
+    cascade = _cascade_items(diag)
+    _attach_context(con, evidence, "e")
+    _attach_context(con, cascade, "c")
     found = list(diag.get("findings") or []) if diag else []
     seen = {(f.get("id"), f.get("rank"), f.get("detail")) for f in found}
     for f in fd.findings(con):
         if (f["id"], f["rank"], f["detail"]) not in seen:
             found.append(f)
-    failure_step = _failure_step(diag, evidence, con)
-    timeline, tinfo = _timeline_figure(con, evidence)
+    failure_step = _failure_step(diag, evidence, con, cascade)
+    timeline, tinfo = _timeline_figure(con, evidence, cascade)
     steps_fig, _ = _steps_figure(con, failure_step)
     if tinfo["aggregated"]:
         notes.append(f"The timeline has {tinfo['spans']:,} spans and GPU intervals; to stay responsive it shows them "
@@ -687,7 +842,7 @@ def _content(con: duckdb.DuckDBPyConnection, diag: dict | None, diag_note: str |
     figures = {"timeline": timeline, "steps": steps_fig, "metrics": _metrics_figure(con, failure_step)}
     for fig in figures.values():
         _allow_tick_overflow(fig)
-    return {"diag": diag, "diag_note": diag_note, "evidence": evidence, "findings": found, "tinfo": tinfo, "notes": notes,
+    return {"diag": diag, "diag_note": diag_note, "evidence": evidence, "cascade": cascade, "findings": found, "tinfo": tinfo, "notes": notes,
             "figures": figures, "inventory": _inventory_html(con)}
 
 
@@ -717,14 +872,17 @@ def _page(title: str, db_name: str, c: dict[str, Any]) -> str:
     body = [
         f"<header><h1>{esc(title)}</h1><div class=\"sub\">database {esc(db_name)} · generated {esc(generated)} · "
         f"verdict: {esc(verdict)}</div></header><main>",
-        _card_html(c["diag"], c["diag_note"], c["evidence"]),
+        _card_html(c["diag"], c["diag_note"], c["evidence"], c["cascade"]),
         _findings_html(c["findings"]),
         '<section id="timeline"><h2>Timeline</h2>',
         "".join(f'<p class="note">{esc(n)}</p>' for n in c["notes"] if not n.startswith("diagnosis")),
         _plot_div("timeline", figures["timeline"], "No phase spans: no profiler trace, Ray timeline, marker lines or "
                   "timed metrics with time stamps."),
         '<p class="note">Drag to zoom, double-click to reset. Red crosses: evidence lines (open crosses: lines without '
-        'a time stamp of their own, placed at the last stamped line of that rank\'s files).</p></section>',
+        'a time stamp of their own, placed at the last stamped line of that rank\'s files). Star: the root cause; '
+        'diamonds: what followed it, on the lane of their rank (open: time not printed on the line). Click a marker '
+        'for the lines around it. Steps known only from timing metrics are placed from their durations (see the '
+        'hover).</p></section>',
         '<section id="steps"><h2>Phases per step</h2>',
         _plot_div("steps", figures["steps"], "No per-step phase figures."),
         "</section>",

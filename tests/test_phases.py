@@ -229,9 +229,13 @@ def test_timeline_has_exact_and_laid_out_spans(straggler_db):
     assert not kin["approximate"].any()
     met = tl.filter(pl.col("source") == "metrics")
     assert met["approximate"].all() and met["rank"].is_null().all()
-    # laid out from each step's start marker, in phase order, without overlaps
+    # laid out from each step's start marker, one span per timing metric in the order verl
+    # runs them, then the part of timing_s/step no timer covers, without overlaps
     s2 = met.filter(pl.col("step") == 2).sort("start_us")
-    assert s2["phase"].to_list() == ["rollout", "reward", "train", "sync"]
+    assert s2["phase"].to_list() == ["rollout", "reward", "train", "sync", "idle"]
+    assert s2["name"].to_list()[:4] == ["timing_s/gen", "timing_s/reward", "timing_s/update_actor", "timing_s/update_weights"]
+    assert (s2["placement"] == "step start marker").all()
+    assert (s2["end_us"][-1] - s2["start_us"][0]) / 1e6 == pytest.approx(1.0)  # timing_s/step
     assert (s2["start_us"][1:] >= s2["end_us"][:-1] - 1e-3).all()
 
 

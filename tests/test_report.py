@@ -131,9 +131,10 @@ def test_large_timelines_become_a_grid():
     assert rows == ["c" * 100]
 
 
-@pytest.mark.parametrize("max_segments, fetched", [(10, False), (36, True)], ids=["grid-in-db", "grid-of-fetched-spans"])
+@pytest.mark.parametrize("max_segments, fetched", [(10, False), (41, True)], ids=["grid-in-db", "grid-of-fetched-spans"])
 def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch, max_segments, fetched):
-    """The fixture has 36 phase spans and 24 GPU events. Beyond MAX_SEGMENTS phase spans the
+    """The fixture has 41 phase spans (36 measured, and the untimed part of each of its 5 metric
+    steps) and 24 GPU events. Beyond MAX_SEGMENTS phase spans the
     grid is computed in the database; with fewer, but too many together with the GPU bars, the
     fetched spans are gridded."""
     db = build_db(tmp_path, "phase_straggler")
@@ -146,7 +147,7 @@ def test_large_report_is_aggregated_and_says_so(tmp_path, monkeypatch, max_segme
     result = rp.write_report(db, out)
     page = out.read_text()
     assert bool(fetches) == fetched
-    assert result.aggregated and "aggregated into bins" in page and result.spans == 36 + 24
+    assert result.aggregated and "aggregated into bins" in page and result.spans == 41 + 24
     figs = embedded_data(page)["figures"]
     heat = [t for t in figs["timeline"]["data"] if t["type"] == "heatmap"]
     lanes = figs["timeline"]["layout"]["yaxis"]["ticktext"]
@@ -179,3 +180,25 @@ def test_api_report(tmp_path):
         result = run.report(tmp_path / "api.html")
     assert Path(result.path).exists() and result.segments > 0
     shutil.rmtree(tmp_path / "run")
+
+
+def test_every_evidence_line_opens_its_context(tmp_path, monkeypatch):
+    """Each evidence line in the card folds out the lines around it (file:line, the cited line
+    marked, all of it escaped), and each evidence marker on the timeline names that element."""
+    db = xss_db(tmp_path)
+    crafted_diagnosis(monkeypatch)
+    out = tmp_path / "r.html"
+    rp.write_report(db, out)
+    page = out.read_text()
+    blocks = dict(re.findall(r'<details class="ctx" id="(ctx-e\d+)">(.*?)</details>', page, re.S))
+    assert set(blocks) == {"ctx-e0", "ctx-e1", "ctx-e2"}
+    first = blocks["ctx-e0"]
+    assert "<summary>trainer-rank1.log:2 — lines 1–4 of the file</summary>" in first
+    # the neighbours are there, the cited line is marked, hostile text stays text
+    assert "loading batch" in first and "continuing" in first
+    assert re.search(r"<mark>2  [^<]*reward fn rejected sample &lt;script&gt;window.__pwned=1", first)
+    assert "&lt;img src=x onerror=&quot;window.__pwned=2" in first and "<img" not in first and "</pre></section>" not in first
+    assert f"{html_escaped(EVIL_NAME)}:1" in blocks["ctx-e2"]
+    ev = next(t for t in embedded_data(page)["figures"]["timeline"]["data"] if t["name"] == "evidence")
+    assert ev["customdata"] == ["ctx-e0", "ctx-e1", "ctx-e2"]
+    assert "openContext(pt.customdata)" in page  # a click on a marker opens it

@@ -119,3 +119,26 @@ def test_aggregated_report_renders(browser, tmp_path, monkeypatch):
         assert page.evaluate("window.__pwned === undefined")
     finally:
         page.close()
+
+
+def test_clicking_an_evidence_marker_opens_its_lines(browser, tmp_path, monkeypatch):
+    db = xss_db(tmp_path)
+    crafted_diagnosis(monkeypatch)
+    out = tmp_path / "report.html"
+    rp.write_report(db, out)
+    page, errors, _, _ = open_report(browser, out)
+    try:
+        assert page.evaluate("document.getElementById('ctx-e0').open") is False
+        marker = page.locator("#plot-timeline .scatterlayer .point").first
+        marker.scroll_into_view_if_needed()
+        box = marker.bounding_box()
+        page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+        page.wait_for_function("() => Array.from(document.querySelectorAll('details.ctx')).some(d => d.open)", timeout=10_000)
+        opened = page.evaluate("Array.from(document.querySelectorAll('details.ctx')).filter(d => d.open).map(d => d.id)")
+        assert len(opened) == 1 and opened[0].startswith("ctx-e")
+        text = page.inner_text(f"#{opened[0]}")
+        assert "trainer-rank1.log:" in text or EVIL_NAME in text
+        assert page.evaluate("window.__pwned === undefined") and errors == []
+    finally:
+        page.close()

@@ -78,6 +78,7 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
     root_keys = {id(h) for h in root.hits}
     sym_classes: list[str] = []
     cascade_hits: list[Hit] = []
+    cascade_evts: list[Event] = []
     for e in [*fallbacks, *symptom_events, *causes]:
         if any(id(h) in root_keys for h in e.hits):
             continue
@@ -86,6 +87,7 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
         if e.lo and root.lo and e.hi and e.hi < root.lo:
             continue  # clearly before the root: not its effect
         cascade_hits.extend(e.hits)
+        cascade_evts.append(e)
         if e.role in ("fallback", "symptom") and any(h.rule.symptom for h in e.hits) and e.cls != cls and e.cls not in sym_classes:
             sym_classes.append(e.cls)
     info = ctx.cat.classes.get(cls)
@@ -109,7 +111,8 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
     remediation = explain.remediation(ctx, cls, root, phase, facts.config)
     return RootCause(id=cls, confidence=conf, rank=rank, node=node, phase=phase, step=step, evidence=evidence,
                      symptoms=sym_classes, remediation=remediation, title=title, summary=summary,
-                     cascade=cascade, notes=notes, rank_source=rank_source, exception=exception_of(ctx, root))
+                     cascade=cascade, notes=notes, rank_source=rank_source, exception=exception_of(ctx, root),
+                     cascade_events=explain.cascade_events(root, rank, cascade_evts, cls))
 
 
 MAX_FRAMES = 10

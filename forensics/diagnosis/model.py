@@ -82,6 +82,8 @@ class RootCause:
     notes: list[str] = field(default_factory=list)
     rank_source: str | None = None
     exception: dict | None = None  # the root cause's fatal event: type, message, wrapper, frames that matter
+    # the root cause's event and the events of its cascade, one dict each (explain.cascade_events)
+    cascade_events: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = {
@@ -93,6 +95,8 @@ class RootCause:
         }
         if self.exception is not None:
             d["exception"] = self.exception
+        if self.cascade_events:
+            d["cascade_events"] = self.cascade_events
         return d
 
 

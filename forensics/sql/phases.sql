@@ -1,5 +1,5 @@
 -- depends: metrics, _phase_setting, _phase_engine, _phase_kineto_segments, _phase_collective_matches
--- depends: phase_names, phase_log_steps, phase_profiler_steps, phase_spans
+-- depends: phase_names, phase_log_steps, phase_profiler_steps, phase_spans, phase_step_placement
 --
 -- Phase attribution, results: `phases`, `phase_steps`, `phase_run_steps`, `phase_timeline`.
 --
@@ -32,9 +32,14 @@
 -- * `phase_run_steps`: one row per step for the run: the run-level row when it comes from the
 --   driver's timing metrics (or nothing else covers the step), else the mean over the ranks
 --   (`source` says which, `ranks` how many).
--- * `phase_timeline(rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no)`:
---   the spans to draw on a timeline (microseconds since the epoch). Metric-only steps are
---   laid out in phase order from the step's start marker (`approximate = true`).
+-- * `phase_timeline(rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no, placement)`:
+--   the spans to draw on a timeline (microseconds since the epoch). Steps known only from the
+--   driver's timing metrics get one span per metric (`name` = the metric key), in the order
+--   the trainer runs them (`metric_order`), and an `idle` span for the part of the step timer
+--   no phase timer covers; `approximate = true`. `placement` says where their times come from:
+--   `step start marker` (laid forward from the step's start marker line), else
+--   `phase_step_placement`'s `step line` / `progress bar` / `step durations` (laid backwards
+--   from the step's end). `file_id`, `line_no` of those spans: the step's metric line.
 --
 -- ```sql
 -- SELECT step, rank, source, round(rollout_s, 3) AS rollout, round(train_s, 3) AS train,
@@ -217,21 +222,58 @@ WITH p AS (
     UNION ALL
     SELECT k.rank, k.step, k.phase, k.sub_phase, k.name, k.start_us, k.end_us, 'kineto', false, k.file_id, NULL
     FROM _phase_kineto_segments k WHERE k.phase <> 'idle'
-), met AS (
-    SELECT p.rank, p.step, p.phase, p.sub_phase, p.seconds, p.source,
-           CASE p.phase WHEN 'rollout' THEN 1 WHEN 'reward' THEN 2 WHEN 'train' THEN 3 WHEN 'sync' THEN 4
-                        WHEN 'other' THEN 5 ELSE 6 END AS ord
-    FROM p
-    WHERE p.source LIKE 'metrics%' AND p.phase <> 'idle' AND p.seconds > 0
+), met_steps AS (
+    -- steps whose run-level figures come from the driver's timing metrics
+    SELECT step, max(step_s) AS step_s FROM p WHERE rank IS NULL AND source LIKE 'metrics%' GROUP BY step
+), met_val AS (
+    SELECT step, key, arg_min(value, CASE source WHEN 'jsonl' THEN 0 WHEN 'console' THEN 1 ELSE 2 END) AS seconds
+    FROM metrics
+    WHERE step IN (SELECT step FROM met_steps) AND value IS NOT NULL AND isfinite(value) AND value > 0
+      AND regexp_matches(key, _phase_setting('timing_prefix_regex'))
+    GROUP BY step, key
+), met_keys AS (
+    -- one span per timing metric, in the order the trainer runs them (`metric_order`), then by phase
+    SELECT v.step, v.key, v.seconds, n.phase, n.sub_phase, coalesce(n.in_step, true) AS in_step,
+           coalesce(list_position(string_split(lower(_phase_setting('metric_order')), '|'), n.bare),
+                    1000 + CASE n.phase WHEN 'rollout' THEN 1 WHEN 'reward' THEN 2 WHEN 'train' THEN 3 WHEN 'sync' THEN 4 ELSE 5 END) AS ord
+    FROM met_val v JOIN phase_names n ON n.source = 'metrics' AND n.name = v.key
+), anchored AS (
+    -- a step start marker lays the step out forward from it; else its placement from
+    -- durations (phase_step_placement) lays it out backwards from the step's end
+    SELECT s.step, s.step_s, w.start_us AS marker_us, pl.end_us, pl.placed_by, pl.file_id, pl.line_no,
+           coalesce((SELECT sum(k.seconds) FROM met_keys k WHERE k.step = s.step AND k.in_step), 0) AS in_s,
+           coalesce((SELECT sum(k.seconds) FROM met_keys k WHERE k.step = s.step AND NOT k.in_step), 0) AS out_s
+    FROM met_steps s
+    LEFT JOIN phase_log_steps w ON w.rank IS NULL AND w.step = s.step
+    LEFT JOIN phase_step_placement pl ON pl.step = s.step
+    WHERE w.start_us IS NOT NULL OR pl.end_us IS NOT NULL
+), bases AS (
+    SELECT *, coalesce(step_s, in_s) AS span_s,
+           CASE WHEN marker_us IS NOT NULL THEN marker_us ELSE end_us - (out_s + in_s) * 1e6 END AS in_base,
+           CASE WHEN marker_us IS NOT NULL THEN marker_us + greatest(coalesce(step_s, in_s), in_s) * 1e6 ELSE end_us - out_s * 1e6 END AS out_base,
+           CASE WHEN marker_us IS NOT NULL THEN 'step start marker' ELSE placed_by END AS placement
+    FROM anchored
 ), laid AS (
-    SELECT m.*, w.start_us AS step_start,
-           sum(m.seconds) OVER (PARTITION BY m.step ORDER BY m.ord, m.sub_phase ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS before_s
-    FROM met m JOIN phase_log_steps w ON w.rank IS NULL AND w.step = m.step
+    SELECT k.step, k.key, k.seconds, k.phase, k.sub_phase, b.placement, b.file_id, b.line_no,
+           CASE WHEN k.in_step THEN b.in_base ELSE b.out_base END
+           + coalesce(sum(k.seconds) OVER (PARTITION BY k.step, k.in_step ORDER BY k.ord, k.key
+                                           ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) * 1e6 AS start_us
+    FROM met_keys k JOIN bases b USING (step)
+), idle AS (
+    -- the part of the step timer no phase timer covers: after the phases (forward), before them (backwards)
+    SELECT step, placement, file_id, line_no,
+           CASE WHEN marker_us IS NOT NULL THEN marker_us + in_s * 1e6 ELSE in_base - (span_s - in_s) * 1e6 END AS start_us,
+           (span_s - in_s) AS seconds
+    FROM bases WHERE span_s - in_s > 1e-3  -- not the rounding of the printed timers
 )
-SELECT rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no FROM measured
+SELECT rank, step, phase, sub_phase, name, start_us, end_us, source, approximate, file_id, line_no,
+       NULL::VARCHAR AS placement
+FROM measured
 UNION ALL
-SELECT rank, step, phase, sub_phase, phase || coalesce('/' || sub_phase, '') AS name,
-       step_start + coalesce(before_s, 0) * 1e6 AS start_us,
-       step_start + (coalesce(before_s, 0) + seconds) * 1e6 AS end_us,
-       source, true, NULL::INTEGER, NULL::BIGINT
-FROM laid;
+SELECT NULL::INTEGER, step, phase, sub_phase, key, start_us, start_us + seconds * 1e6, 'metrics', true,
+       file_id, line_no, placement
+FROM laid
+UNION ALL
+SELECT NULL::INTEGER, step, 'idle', NULL, 'untimed part of the step', start_us, start_us + seconds * 1e6, 'metrics', true,
+       file_id, line_no, placement
+FROM idle;
