@@ -8,11 +8,12 @@ A PATH is one run unless its layout says otherwise:
   (``/tmp/ray`` keeps one per ``ray start``; a bundle with one session is that run);
 * a folder whose own files include a log of a known format is one run: its subfolders
   are parts of it (nodes, ``ray_logs/``, ``profiler/``), unless it holds nothing but
-  several driver logs, each the console of a run of its own;
+  several driver logs (no other file, no subfolder): each is the console of a run of its own;
 * a folder without such files of its own whose subfolders (two or more) each hold logs is
-  a folder of runs: each subfolder is read the same way. Subfolders named like parts of
-  one run (``node_*``, ``node-3``, ``head_node``, ``worker_node``, ``rank1``, ``ray_logs``,
-  ``logs``, ...) stay one run;
+  a folder of runs: each subfolder is read the same way; unless half of them or more are
+  named like parts of one run (``node_*``, ``node-3``, ``head_node``, ``worker_node``,
+  ``rank1``, ``ray_logs``, ``logs``, ...): then it is one run (a bundle of a
+  ``host-oom-...`` case among others does not make its folder one run);
 * files that belong to no run found inside (a README beside bundle folders) stay with the
   PATH, which is then a container and is not diagnosed on its own.
 
@@ -84,12 +85,12 @@ def _split(d: _Dir, rel: str, kind: str) -> tuple[list[FoundRun], list[str]]:
     own = [fmt for _, fmt in d.files if fmt not in PLAIN_FORMATS]
     if own:
         drivers = [f for f, fmt in d.files if fmt in DRIVER_FORMATS]
-        if not held and len(drivers) >= 2 and len(drivers) == len(own):
-            # a folder of driver consoles, one per run
+        if not held and len(drivers) >= 2 and all(fmt in DRIVER_FORMATS or fmt == "empty" for _, fmt in d.files):
+            # a folder of nothing but driver consoles: one run each
             runs = [FoundRun(f, "driver_log", [f]) for f in drivers]
             return runs, [f for f, _ in d.files if f not in drivers]
         return [FoundRun(rel, kind, d.all_files())], []
-    if len(held) >= 2 and not any(_PART_OF_A_RUN.match(k) for k in held):
+    if len(held) >= 2 and sum(1 for k in held if _PART_OF_A_RUN.match(k)) * 2 < len(held):
         runs: list[FoundRun] = []
         rest = [f for f, _ in d.files]
         for k, v in sorted(held.items()):

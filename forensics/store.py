@@ -607,25 +607,26 @@ class Store:
 
     def fix_yearless_timestamps(self) -> int:
         """Stamps printed without a year (glog, vLLM, syslog) in files that had no full
-        stamp of their own take the year most common among the run's full stamps."""
-        row = self.con.execute(
-            "SELECT year(ts) AS y FROM lines WHERE ts_quality = 'full' GROUP BY y ORDER BY count(*) DESC LIMIT 1"
-        ).fetchone()
-        if row is None:
-            return 0
-        year = int(row[0])
+        stamp of their own take the year most common among the full stamps of their run
+        (``files.run_id``: the runs of a database are years apart as often as not)."""
         from .parsers.lines.common import YEARLESS
 
+        best = f"""(SELECT f.file_id, b.y FROM files f JOIN (
+                       SELECT run, arg_max(y, n) AS y FROM (
+                           SELECT coalesce(f.run_id, -1) AS run, year(l.ts) AS y, count(*) AS n
+                           FROM lines l JOIN files f USING (file_id) WHERE l.ts_quality = 'full' GROUP BY ALL)
+                       GROUP BY run) b ON coalesce(f.run_id, -1) = b.run WHERE b.y <> {YEARLESS})"""
         n = self.con.execute(
-            f"""UPDATE lines SET ts = ts + to_years({year - YEARLESS}),
+            f"""UPDATE lines SET ts = ts + to_years(fy.y - {YEARLESS}),
                    ts_quality = CASE WHEN ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END
-                WHERE year(ts) = {YEARLESS} AND ts_quality IN ('no_year', 'inherited')"""
+                FROM {best} fy
+                WHERE lines.file_id = fy.file_id AND year(lines.ts) = {YEARLESS} AND lines.ts_quality IN ('no_year', 'inherited')"""
         ).fetchone()
         for table in all_tables():  # rows derived from lines carry the line's ts
-            if table.name != "lines" and any(c.name == "ts" for c in table.columns):
+            if table.name != "lines" and any(c.name == "ts" for c in table.columns) and table.columns[0].name == "file_id":
                 self.con.execute(
-                    f'UPDATE "{table.name}" SET ts = ts + to_years({year - YEARLESS}) WHERE year(ts) = {YEARLESS}'
-                )
+                    f'UPDATE "{table.name}" SET ts = ts + to_years(fy.y - {YEARLESS}) FROM {best} fy '
+                    f'WHERE "{table.name}".file_id = fy.file_id AND year("{table.name}".ts) = {YEARLESS}')
         return int(n[0]) if n else 0
 
     def table_counts(self) -> dict[str, int]:
@@ -668,10 +669,14 @@ def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
         [name]).fetchone()[0])
 
 
+class NoSuchRun(LookupError):
+    """``--run`` names no run of the database, or several; the message lists them."""
+
+
 def pick_run(runs: list[RunRow], wanted: str) -> RunRow:
     """The run ``wanted`` names: its id, its name, or the end of its name after a ``/``
     (``ray-healthy`` for ``real/ray-healthy``) when only one run's name ends so. Raises
-    ``LookupError`` saying which runs there are."""
+    :class:`NoSuchRun` saying which runs there are."""
     w = wanted.strip().rstrip("/")
     exact = [r for r in runs if str(r.run_id) == w or r.name == w]
     if not exact:
@@ -680,8 +685,8 @@ def pick_run(runs: list[RunRow], wanted: str) -> RunRow:
         return exact[0]
     listed = ", ".join(f"{r.run_id} {r.name}" for r in runs[:20]) + (f", ... ({len(runs)} in all)" if len(runs) > 20 else "")
     if exact:
-        raise LookupError(f"--run {wanted!r} names {len(exact)} runs: " + ", ".join(r.name for r in exact[:10]) + "; give its id or whole name")
-    raise LookupError(f"no run {wanted!r} in the database; its runs: {listed or 'none'}")
+        raise NoSuchRun(f"--run {wanted!r} names {len(exact)} runs: " + ", ".join(r.name for r in exact[:10]) + "; give its id or whole name")
+    raise NoSuchRun(f"no run {wanted!r} in the database; its runs: {listed or 'none (it holds one, read whole: leave out --run)'}")
 
 
 def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
@@ -690,7 +695,7 @@ def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
     the diagnosis and the report, reads that run. ``None``: the whole database again."""
     db = con.execute("SELECT current_database()").fetchone()[0]
     quoted = '"' + db.replace('"', '""') + '"'
-    names = [FILES.name] + [t.name for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != FILES.name]
+    names = [FILES.name, RUNS.name] + [t.name for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != FILES.name]
     have = {r[0] for r in con.execute(
         "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database()").fetchall()}
     for name in names:
@@ -700,8 +705,22 @@ def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
             con.execute(f'DROP VIEW IF EXISTS temp.main."{name}"')
             continue
         ids = f"SELECT file_id FROM {quoted}.main.files WHERE run_id = {int(run_id)}"
-        where = f"run_id = {int(run_id)}" if name == FILES.name else f"file_id IN ({ids})"
+        where = f"run_id = {int(run_id)}" if name in (FILES.name, RUNS.name) else f"file_id IN ({ids})"
         con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS SELECT * FROM {quoted}.main."{name}" WHERE {where}')
+    if run_id is None:
+        con.execute(f"DROP MACRO IF EXISTS temp.main.{_RESTRICTED}")
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {_RESTRICTED}() AS {int(run_id)}")
+
+
+_RESTRICTED = "_forensics_run"  # TEMP macro: the run a connection is restricted to (restrict_to_run)
+
+
+def restricted_run(con: duckdb.DuckDBPyConnection) -> int | None:
+    """The run :func:`restrict_to_run` restricted ``con`` to, or None."""
+    have = con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = ? AND schema_name = 'main' "
+                       "AND database_name = 'temp'", [_RESTRICTED]).fetchone()[0]
+    return int(con.execute(f"SELECT {_RESTRICTED}()").fetchone()[0]) if have else None
 
 
 def _now():
