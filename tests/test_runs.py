@@ -291,9 +291,7 @@ def test_a_bomb_inside_a_folder_stops_with_a_message_and_the_rest_is_ingested(tm
 
 
 def test_a_file_named_like_an_archive_that_is_none_is_read_as_a_file(tmp_path):
-    root = tmp_path / "run"
-    root.mkdir()
-    (root / "notes.tar.gz").write_text("not an archive at all\n")
-    db = tmp_path / "r.duckdb"
-    pipeline.ingest([str(root)], str(db), workers=1)
-    assert rows(db, "SELECT path FROM files") == [("notes.tar.gz",)]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.tar.gz").write_text("not an archive at all\n")
+    pipeline.ingest([str(tmp_path / "run")], str(tmp_path / "r.duckdb"), workers=1)
+    assert rows(tmp_path / "r.duckdb", "SELECT path, lines FROM files") == [("notes.tar.gz", 1)]
