@@ -213,7 +213,7 @@ def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool) -> 
             "files_loaded": summary.files_loaded, "files_unchanged": summary.files_unchanged,
             "files_grown": summary.files_grown, "files_by_format": summary.files_by_format,
             "rows_added": summary.rows_added, "rows_total": summary.rows_total,
-            "unparsed_lines": summary.unparsed_lines, "messages": summary.messages, "diagnosis": headline,
+            "unparsed_lines": summary.unparsed_lines, "messages": summary.messages, "runs": summary.runs, "diagnosis": headline,
         }
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
