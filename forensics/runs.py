@@ -8,7 +8,8 @@ A PATH is one run unless its layout says otherwise:
   (``/tmp/ray`` keeps one per ``ray start``; a bundle with one session is that run);
 * a folder whose own files include a log of a known format is one run: its subfolders
   are parts of it (nodes, ``ray_logs/``, ``profiler/``), unless it holds nothing but
-  several driver logs (no other file, no subfolder): each is the console of a run of its own;
+  several driver logs (no other file, no subfolder) that each start a run of their own:
+  no two name the same worker process (the head and the tail of one console do);
 * a folder without such files of its own whose subfolders (two or more) each hold logs is
   a folder of runs: each subfolder is read the same way; unless half of them or more are
   named like parts of one run (``node_*``, ``node-3``, ``head_node``, ``worker_node``,
@@ -66,7 +67,22 @@ def _tree(files: list[tuple[str, str]]) -> _Dir:
     return top
 
 
-def _split(d: _Dir, rel: str, kind: str) -> tuple[list[FoundRun], list[str]]:
+def _apart(drivers: list[str], pids: dict[str, set[int]] | None) -> bool:
+    """Whether the driver logs are of separate runs: each names processes (its workers'
+    ``pid=`` prefixes) and no two name the same one (the head and the tail of one console,
+    pasted as two files, share their workers)."""
+    if pids is None:
+        return False
+    seen: set[int] = set()
+    for f in drivers:
+        mine = pids.get(f) or set()
+        if not mine or mine & seen:
+            return False
+        seen |= mine
+    return True
+
+
+def _split(d: _Dir, rel: str, kind: str, pids: dict[str, set[int]] | None = None) -> tuple[list[FoundRun], list[str]]:
     """The runs found in folder ``d`` (at ``rel``) and the files of ``d`` that belong to
     none of them (they stay with the container)."""
     name = rel.rsplit("/", 1)[-1]
@@ -85,7 +101,8 @@ def _split(d: _Dir, rel: str, kind: str) -> tuple[list[FoundRun], list[str]]:
     own = [fmt for _, fmt in d.files if fmt not in PLAIN_FORMATS]
     if own:
         drivers = [f for f, fmt in d.files if fmt in DRIVER_FORMATS]
-        if not held and len(drivers) >= 2 and all(fmt in DRIVER_FORMATS or fmt == "empty" for _, fmt in d.files):
+        if (not held and len(drivers) >= 2 and all(fmt in DRIVER_FORMATS or fmt == "empty" for _, fmt in d.files)
+                and _apart(drivers, pids)):
             # a folder of nothing but driver consoles: one run each
             runs = [FoundRun(f, "driver_log", [f]) for f in drivers]
             return runs, [f for f, _ in d.files if f not in drivers]
@@ -94,13 +111,13 @@ def _split(d: _Dir, rel: str, kind: str) -> tuple[list[FoundRun], list[str]]:
         runs: list[FoundRun] = []
         rest = [f for f, _ in d.files]
         for k, v in sorted(held.items()):
-            inner, left = _split(v, _join(rel, k), "bundle")
+            inner, left = _split(v, _join(rel, k), "bundle", pids)
             runs.extend(inner)
             rest.extend(left)
         return runs, rest
     if len(held) == 1 and not d.files:
         (k, v), = held.items()
-        inner, left = _split(v, _join(rel, k), kind)
+        inner, left = _split(v, _join(rel, k), kind, pids)
         if len(inner) > 1:
             return inner, left
     return [FoundRun(rel, kind, d.all_files())], []
@@ -114,13 +131,14 @@ def _join(rel: str, name: str) -> str:
     return f"{rel}/{name}" if rel else name
 
 
-def find_runs(files: list[tuple[str, str]]) -> tuple[list[FoundRun], list[str]]:
+def find_runs(files: list[tuple[str, str]], pids: dict[str, set[int]] | None = None) -> tuple[list[FoundRun], list[str]]:
     """The runs among the files of one PATH, given as (path relative to the PATH, format):
     the runs found (one covering everything, ``rel == ''``, when the PATH is one run) and
-    the files that belong to none of them."""
+    the files that belong to none of them. ``pids``: the processes each driver log names
+    (a folder of driver logs is a folder of runs only when no two share one)."""
     if not files:
         return [], []
-    runs, rest = _split(_tree(files), "", "path")
+    runs, rest = _split(_tree(files), "", "path", pids)
     if len(runs) == 1 and not rest:
         return [FoundRun("", "path", runs[0].files)], []
     return runs, rest

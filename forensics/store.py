@@ -460,13 +460,21 @@ class Store:
         """Find the runs among the files of the PATH ``root`` (:mod:`forensics.runs`) and
         record them: a row per run found inside it (ids kept for runs already known), each
         file's ``run_id``, each run's file count."""
-        from .runs import find_runs
+        from .runs import DRIVER_FORMATS, find_runs
 
         path_id, name, prefix = self._path_rows()[root]
         cut = len(prefix) + 1 if prefix else 0
         files = self.con.execute("SELECT file_id, path, format FROM files WHERE root = ?", [root]).fetchall()
         by_rel = {p[cut:]: fid for fid, p, _ in files}
-        found, _rest = find_runs([(p[cut:], fmt) for _, p, fmt in files])
+        drivers = [fid for fid, _, fmt in files if fmt in DRIVER_FORMATS]
+        pids: dict[str, set[int]] = {}
+        if len(drivers) >= 2:
+            rel_of = {fid: p[cut:] for fid, p, _ in files}
+            for fid, named in self.con.execute(
+                    "SELECT file_id, list(DISTINCT pid) FROM lines WHERE list_contains(?, file_id) AND pid IS NOT NULL GROUP BY file_id",
+                    [drivers]).fetchall():
+                pids[rel_of[fid]] = set(named)
+        found, _rest = find_runs([(p[cut:], fmt) for _, p, fmt in files], pids)
         known = {r[0]: int(r[1]) for r in self.con.execute(
             "SELECT rel, run_id FROM runs WHERE parent_id = ?", [path_id]).fetchall()}
         now = _now()

@@ -224,10 +224,33 @@ def test_parts_of_one_run_stay_one_run():
 
 
 def test_driver_logs_alone_in_a_folder_are_runs_each():
-    assert _runs([("a.log", "driver"), ("b.log", "driver"), ("c.err", "empty")]) == (
-        [("a.log", "driver_log"), ("b.log", "driver_log")], ["c.err"])
+    def runs(files, pids):
+        found, rest = find_runs(files, pids)
+        return sorted((r.rel, r.kind) for r in found), sorted(rest)
+
+    drivers = [("a.log", "driver"), ("b.log", "driver"), ("c.err", "empty")]
+    assert runs(drivers, {"a.log": {11, 12}, "b.log": {21}}) == ([("a.log", "driver_log"), ("b.log", "driver_log")], ["c.err"])
+    # the head and the tail of one console (the same workers): one run
+    assert runs(drivers, {"a.log": {11, 12}, "b.log": {12}}) == ([("", "path")], [])
     # beside other files they are parts of one bundle
-    assert _runs([("a.log", "driver"), ("b.log", "driver"), ("client.log", "text")]) == ([("", "path")], [])
+    assert runs([*drivers[:2], ("client.log", "text")], {"a.log": {1}, "b.log": {2}}) == ([("", "path")], [])
+
+
+def test_driver_logs_of_separate_runs_are_told_apart_by_their_processes(tmp_path):
+    root = tmp_path / "consoles"
+    root.mkdir()
+    prefix = "(WorkerDict pid={pid}) step {i} done\n"
+    (root / "monday.log").write_text("".join(prefix.format(pid=100, i=i) for i in range(5)))
+    (root / "tuesday.log").write_text("".join(prefix.format(pid=200, i=i) for i in range(5)))
+    db = tmp_path / "c.duckdb"
+    pipeline.ingest([str(root)], str(db), workers=1)
+    assert rows(db, "SELECT rel, kind FROM runs WHERE parent_id IS NOT NULL ORDER BY rel") == [
+        ("monday.log", "driver_log"), ("tuesday.log", "driver_log")]
+    # a console cut in two (the same worker goes on in the second file) is one run
+    (root / "tuesday.log").write_text("".join(prefix.format(pid=100, i=i) for i in range(5, 9)))
+    pipeline.ingest([str(root)], str(db), workers=1)
+    assert rows(db, "SELECT rel, kind FROM runs") == [("", "path")]
+    assert rows(db, "SELECT count(*) FROM files WHERE run_id IS DISTINCT FROM 1") == [(0,)]
 
 
 def test_sibling_folders_with_logs_of_their_own_are_runs_without_any_label():
