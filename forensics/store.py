@@ -616,14 +616,17 @@ class Store:
     def fix_yearless_timestamps(self) -> int:
         """Stamps printed without a year (glog, vLLM, syslog) in files that had no full
         stamp of their own take the year most common among the full stamps of their run
-        (``files.run_id``: the runs of a database are years apart as often as not)."""
+        (``files.run_id``: the runs of a database may be years apart), else, in a run
+        without one, the year most common in the database."""
         from .parsers.lines.common import YEARLESS
 
-        best = f"""(SELECT f.file_id, b.y FROM files f JOIN (
-                       SELECT run, arg_max(y, n) AS y FROM (
-                           SELECT coalesce(f.run_id, -1) AS run, year(l.ts) AS y, count(*) AS n
-                           FROM lines l JOIN files f USING (file_id) WHERE l.ts_quality = 'full' GROUP BY ALL)
-                       GROUP BY run) b ON coalesce(f.run_id, -1) = b.run WHERE b.y <> {YEARLESS})"""
+        counts = """SELECT coalesce(f.run_id, -1) AS run, year(l.ts) AS y, count(*) AS n
+                    FROM lines l JOIN files f USING (file_id) WHERE l.ts_quality = 'full' GROUP BY ALL"""
+        # a run without a full stamp of its own takes the database's most common year
+        best = f"""(SELECT f.file_id, coalesce(b.y, g.y) AS y FROM files f
+                    LEFT JOIN (SELECT run, arg_max(y, n) AS y FROM ({counts}) GROUP BY run) b ON coalesce(f.run_id, -1) = b.run
+                    CROSS JOIN (SELECT arg_max(y, n) AS y FROM (SELECT y, sum(n) AS n FROM ({counts}) GROUP BY y)) g
+                    WHERE coalesce(b.y, g.y) <> {YEARLESS})"""
         n = self.con.execute(
             f"""UPDATE lines SET ts = ts + to_years(fy.y - {YEARLESS}),
                    ts_quality = CASE WHEN ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END
