@@ -880,12 +880,18 @@ def ingest(
                 except BUNDLE_ERRORS as exc:
                     summary.messages.append(f"{root}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
                 walk_root = str(dest)
-            outer = ((a, r) for a, r in walk(walk_root, summary.messages, skip) if not excluded(r))
+            walked = [0]
+
+            def counted(pairs):
+                for pair in pairs:
+                    walked[0] += 1
+                    yield pair
+            outer = ((a, r) for a, r in counted(walk(walk_root, summary.messages, skip)) if not excluded(r))
             files = [(a, r) for a, r in expand_archives(outer, tmp_root, summary.messages, skip) if not excluded(r)]
             if files:
                 found[root] = files
             else:
-                summary.messages.append(f"{root}: no file to read in it" + (" (every file excluded)" if exclude else ""))
+                summary.messages.append(f"{root}: no file to read in it" + (" (every file excluded)" if walked[0] else ""))
         if not found:
             said = [m for m in summary.messages if m.endswith(("no such file or folder", "no file to read in it", "(every file excluded)"))]
             raise NothingToIngest("nothing to ingest: " + "; ".join(said))
