@@ -25,7 +25,7 @@ import polars as pl
 from . import export as export_mod
 from . import phases as phases_mod
 from . import pipeline
-from .store import DB_MEMORY, SettingError, Store, StoreError, set_memory_limit
+from .store import DB_MEMORY, NoSuchRun, SettingError, Store, StoreError, set_memory_limit
 
 if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a second of imports
     from .catalogue import Catalogue
@@ -149,13 +149,22 @@ class Run:
 
         return report_mod.write_report_con(self.con, path, title or f"forensics post-mortem: {os.path.basename(self.db)}")
 
-    def diagnose(self, signatures: list[str] | tuple[str, ...] = ()) -> "Diagnosis":
+    def runs(self) -> pl.DataFrame:
+        """The runs in the database (table ``runs``): one row per ingested PATH and per run
+        found inside it; ``files.run_id`` names each file's run."""
+        return self.sql("SELECT * FROM runs ORDER BY run_id")
+
+    def diagnose(self, signatures: list[str] | tuple[str, ...] = (), run: str | int | None = None) -> "Diagnosis | RunDiagnoses":
         """Root cause, cascade and remediation of the run (a ``forensics.diagnose.Diagnosis``;
         ``.to_dict()`` is the ``forensics diagnose --json`` object). ``signatures``: folders of
-        extra rule files."""
+        extra rule files. A database of several runs gives a ``diagnose.RunDiagnoses`` (one
+        diagnosis per run), unless ``run`` (an id or a name, as ``--run``) picks one."""
         from . import diagnose as dg
 
-        return dg.diagnose(signature_dirs=signatures, con=self.con)
+        try:
+            return dg.diagnose(signature_dirs=signatures, con=self.con, run=None if run is None else str(run))
+        except NoSuchRun as exc:
+            raise ForensicsError(str(exc)) from exc
 
     def headline(self) -> str | None:
         """The diagnosis in one line (what ``forensics ingest`` prints after ``diagnosis:``),
@@ -210,6 +219,7 @@ def ingest(
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
     exclude: list[str] | None = None,
+    add: bool = False,
 ) -> Run:
     """Ingest folders / files / bundles into ``db`` (``forensics ingest``) and return the
     database opened read-only; ``run.last_ingest`` is the summary (files by format, rows
@@ -219,12 +229,16 @@ def ingest(
     is called with the bytes read so far and the bytes to read: once before the first
     byte, every 0.2 s while the parsers read (a big file moves it too) and as files are
     loaded (``path``: the last one); ``exclude``: globs of files not to read; ``debug``:
-    a parser's bug is reported with its traceback. Ctrl-C stops it as
+    a parser's bug is reported with its traceback; ``add``: put PATHs beside the runs of
+    other PATHs the database holds (without it that is a :class:`ForensicsError` saying
+    so; the same PATHs again are always fine). PATHs that hold no file to read are a
+    :class:`ForensicsError` too (no database is left behind). Ctrl-C stops it as
     ``KeyboardInterrupt``, with the files loaded so far committed."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     try:
-        summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude)
+        summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug,
+                                  exclude=exclude, add=add)
     except (StoreError, pipeline.IngestError) as exc:
         raise ForensicsError(str(exc)) from exc
     except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
@@ -320,17 +334,21 @@ def export(
     return written
 
 
-def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", title: str | None = None) -> "ReportResult":
+def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", title: str | None = None,
+           run: str | int | None = None) -> "ReportResult":
     """Write the self-contained post-mortem HTML of ``db`` to ``output`` (``forensics
     report``; ``title`` default: the database name); returns a ``report.ReportResult``
     (``path``, ``bytes``, ``seconds``, ``notes``). Reads with DuckDB's memory limit of
-    ``FORENSICS_DB_MEMORY`` (default 512MB)."""
+    ``FORENSICS_DB_MEMORY`` (default 512MB). A database of several runs needs ``run``
+    (``--run``: a run's id or name): the report is of one run."""
     from . import report as report_mod
 
     if not os.path.exists(db):
         raise _no_database(db)
     try:
-        return report_mod.write_report(db, output, title)
+        return report_mod.write_report(db, output, title, run=None if run is None else str(run))
+    except NoSuchRun as exc:
+        raise ForensicsError(str(exc)) from exc
     except duckdb.IOException as exc:  # locked or unreadable database
         raise ForensicsError(f"cannot read {db}: {exc}") from exc
     except SettingError as exc:
@@ -339,11 +357,15 @@ def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", tit
         raise ForensicsError(f"cannot write {output}: {exc}") from exc
 
 
-def diagnose(db: str | os.PathLike, signatures: Iterable[str] = (), context: int = 0) -> "Diagnosis":
+def diagnose(db: str | os.PathLike, signatures: Iterable[str] = (), context: int = 0,
+             run: str | int | None = None) -> "Diagnosis | RunDiagnoses":
     """Diagnose the run(s) in ``db`` (``forensics diagnose``): a ``diagnose.Diagnosis``
     whose ``.to_dict()`` is the ``--json`` object of ../shared/contract.md and which
     :func:`render_diagnosis` writes as text. ``signatures``: folders of extra rule files.
     ``context``: the lines around each root cause's first evidence line (``--context N``).
+    A database that holds several runs (table ``runs``) gives a ``diagnose.RunDiagnoses``,
+    each run diagnosed over its own files (``.to_dict()``: ``{"runs": [...]}``, docs/cli.md),
+    unless ``run`` (``--run``: a run's id or name) picks one.
     Reads with DuckDB's memory limit of ``FORENSICS_DB_MEMORY`` (default 256MB)."""
     from . import catalogue as sig
     from . import diagnose as dg
@@ -351,7 +373,9 @@ def diagnose(db: str | os.PathLike, signatures: Iterable[str] = (), context: int
     if not os.path.exists(db):
         raise _no_database(db)
     try:
-        return dg.diagnose(db, list(signatures), context=max(0, int(context)))
+        return dg.diagnose(db, list(signatures), context=max(0, int(context)), run=None if run is None else str(run))
+    except NoSuchRun as exc:
+        raise ForensicsError(str(exc)) from exc
     except sig.SignatureError as exc:
         raise ForensicsError(f"signature catalogue: {exc}") from exc
     except dg.NothingToDiagnose as exc:

@@ -99,6 +99,7 @@ out = Console(soft_wrap=True, emoji=False, markup=False)
 err = Console(stderr=True, soft_wrap=True, emoji=False, markup=False)
 
 DB_OPTION = typer.Option("forensics.duckdb", "--db", metavar="FILE", help="DuckDB database file.")
+RUN_OPTION = typer.Option(None, "--run", metavar="RUN", help="The run to read, when the database holds several: its id or name (table `runs`; the end of a name after a / will do when only one run's name ends so).")
 
 
 class State:
@@ -156,13 +157,14 @@ def ingest(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     exclude: List[str] = typer.Option([], "--exclude", "-x", metavar="GLOB", help="Glob of files not to read (matched against the relative path and the name); repeatable."),
+    add: bool = typer.Option(False, "--add", help="Ingest PATHS beside the runs of other PATHs the database holds (without it, that is refused: runs are kept apart)."),
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
     with _interruptible():
         try:
             with _progress_bar(show_progress) as progress:
-                run = api.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
+                run = api.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude, add=add)
         except BaseException as exc:  # a user error (ForensicsError) goes on to _Group.invoke
             if State.interrupted or isinstance(exc, KeyboardInterrupt):
                 _fail(INTERRUPTED_INGEST, 130)
@@ -234,7 +236,7 @@ def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool, dia
             "files_loaded": summary.files_loaded, "files_unchanged": summary.files_unchanged,
             "files_grown": summary.files_grown, "files_by_format": summary.files_by_format,
             "rows_added": summary.rows_added, "rows_total": summary.rows_total,
-            "unparsed_lines": summary.unparsed_lines, "messages": summary.messages, "diagnosis": headline,
+            "unparsed_lines": summary.unparsed_lines, "messages": summary.messages, "runs": summary.runs, "diagnosis": headline,
         }
         typer.echo(json.dumps(payload, indent=2, default=str))
         return
@@ -519,11 +521,12 @@ def report(
     db: str = DB_OPTION,
     output: str = typer.Option("report.html", "--output", "-o", metavar="FILE.html", help="Where to write the report."),
     title: Optional[str] = typer.Option(None, "--title", metavar="TEXT", help="Page title (default: the database name)."),
+    run: Optional[str] = RUN_OPTION,
 ) -> None:
     """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
     timeline, phases per step, training metrics, file inventory. Works offline."""
     with _spinner(f"writing {output}", err.is_terminal):
-        result = api.report(db, output, title)
+        result = api.report(db, output, title, run=run)
     for note in result.notes:
         err.print(f"[yellow]![/yellow] {_shown(note)}", markup=True, highlight=False)
     out.print(f"wrote {result.path} ({_human(result.bytes)}) in {result.seconds:.2f} s", highlight=False)
@@ -539,13 +542,14 @@ def diagnose(
     signatures: List[str] = SIGNATURES_OPTION,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every evidence line of every root cause, whole, and the root cause's traceback."),
     context: int = typer.Option(0, "--context", "-C", metavar="N", min=0, help="Show N lines of the file before and after the first evidence line."),
+    run: Optional[str] = RUN_OPTION,
 ) -> None:
     """Classify what went wrong in the ingested run: root cause with evidence, cascade, remediation.
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
     with _spinner("diagnosing", err.is_terminal and not as_json):
-        result = api.diagnose(db, signatures, context=context)
+        result = api.diagnose(db, signatures, context=context, run=run)
     if as_json:
         typer.echo(json.dumps(result.to_dict(), indent=2, default=str))
         return

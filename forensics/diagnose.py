@@ -2,8 +2,8 @@
 the stages live in :mod:`forensics.diagnosis`."""
 from __future__ import annotations
 
-from .diagnosis import (Diagnosis, Event, Evidence, Finding, Hit, NothingToDiagnose, RootCause, RunConfig, RunFacts,
+from .diagnosis import (Diagnosis, RunDiagnoses, Event, Evidence, Finding, Hit, NothingToDiagnose, RootCause, RunConfig, RunFacts,
                         diagnose, ensure_views, headline, render)
 
-__all__ = ["diagnose", "headline", "render", "Diagnosis", "RootCause", "Evidence", "Finding", "NothingToDiagnose",
+__all__ = ["diagnose", "headline", "render", "Diagnosis", "RunDiagnoses", "RootCause", "Evidence", "Finding", "NothingToDiagnose",
            "ensure_views", "RunFacts", "RunConfig", "Hit", "Event"]

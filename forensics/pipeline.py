@@ -53,6 +53,14 @@ class IngestError(RuntimeError):
     message says why, in words. Files committed before it stay in the database."""
 
 
+class NothingToIngest(IngestError):
+    """The PATHs given hold no file (missing, empty, everything excluded)."""
+
+
+class RunsApart(IngestError):
+    """The database holds the runs of other PATHs and the call did not ask to add to it."""
+
+
 @dataclass
 class FileTask:
     file_id: int
@@ -66,6 +74,11 @@ class FileTask:
     start_offset: int = 0
     replace_from_line: int | None = None  # None: full (re)load
     is_new: bool = True  # no rows of this file_id in the database yet
+    prefix: str = ""  # the PATH's name when the database holds several PATHs (files.path starts with it)
+
+    @property
+    def stored_path(self) -> str:
+        return f"{self.prefix}/{self.rel}" if self.prefix else self.rel
 
 
 @dataclass
@@ -97,6 +110,7 @@ class IngestSummary:
     files_grown: int = 0
     bytes_read: int = 0
     messages: list[str] = field(default_factory=list)  # per-file problems, in words
+    runs: list[str] = field(default_factory=list)  # the runs of the PATHs ingested (names, `runs.name`)
     seconds: float = 0.0
     db: str = ""
 
@@ -143,19 +157,37 @@ def _int_setting(name: str, default: int) -> int:
 
 
 MAX_EXTRACT_BYTES = 64 << 30  # one bundle's extracted bytes at most (env FORENSICS_MAX_EXTRACT_BYTES)
+MAX_EXTRACT_RATIO = 1000  # extracted bytes per byte of the bundle at most (env FORENSICS_MAX_EXTRACT_RATIO) ...
+RATIO_FLOOR = 64 << 20  # ... once it has given this much (a small archive of a repetitive log is no bomb)
+MAX_EXTRACT_MEMBERS = 200_000  # members of one bundle at most (env FORENSICS_MAX_EXTRACT_MEMBERS)
 EXTRACT_FREE_MARGIN = 1 << 30  # extraction stops before the disk has less than this free
+MAX_NESTING = 3  # archives inside archives inside an ingested folder: read this deep
 
 
 class _ExtractBudget:
-    """Bytes a bundle may still write: the configured maximum, and never so much that
-    the temporary folder's disk would fall below ``EXTRACT_FREE_MARGIN`` (a compression
-    bomb, or a real bundle too big for the disk, must not fill it)."""
+    """Bytes a bundle may still write: the configured maximum, at most
+    ``MAX_EXTRACT_RATIO`` times the bundle's own size (beyond ``RATIO_FLOOR``), and never
+    so much that the temporary folder's disk would fall below ``EXTRACT_FREE_MARGIN`` (a
+    compression bomb, or a real bundle too big for the disk, must not fill it)."""
 
-    def __init__(self, dest: Path):
+    def __init__(self, dest: Path, bundle_bytes: int | None = None):
         limit = _int_setting("FORENSICS_MAX_EXTRACT_BYTES", MAX_EXTRACT_BYTES)
         free = shutil.disk_usage(dest).free - EXTRACT_FREE_MARGIN
-        self.left = max(0, min(limit, free))
-        self.why = "the limit FORENSICS_MAX_EXTRACT_BYTES" if limit <= free else "the free disk space"
+        ratio = _int_setting("FORENSICS_MAX_EXTRACT_RATIO", MAX_EXTRACT_RATIO)
+        by_ratio = max(RATIO_FLOOR, ratio * bundle_bytes) if bundle_bytes is not None else limit
+        self.left = max(0, min(limit, free, by_ratio))
+        if self.left == limit:
+            self.why = "the limit FORENSICS_MAX_EXTRACT_BYTES"
+        elif self.left == by_ratio:
+            self.why = f"{ratio} times its own size (FORENSICS_MAX_EXTRACT_RATIO: a compression bomb?)"
+        else:
+            self.why = "the free disk space"
+        self.members_left = _int_setting("FORENSICS_MAX_EXTRACT_MEMBERS", MAX_EXTRACT_MEMBERS)
+
+    def member(self) -> bool:
+        """One more member; False once the bundle has more than allowed."""
+        self.members_left -= 1
+        return self.members_left >= 0
 
     def copy(self, src, target: Path) -> bool:
         """Copy ``src`` into ``target``; False (and no file) when the budget runs out."""
@@ -173,19 +205,28 @@ class _ExtractBudget:
         return False
 
 
-def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
+def extract_bundle(bundle: str, dest: Path, messages: list[str], shown: str | None = None) -> None:
     """Extract a tar/zip bundle into ``dest``; members that would land outside it
     (absolute paths, ``..``, links pointing out, devices) are skipped and reported.
-    Extraction stops, and says so, when it would exceed :class:`_ExtractBudget`."""
-    name = storable(os.path.basename(bundle))
-    budget = _ExtractBudget(dest)
+    Extraction stops, and says so, when it would exceed :class:`_ExtractBudget` (bytes,
+    ratio to the bundle's size, members). ``shown``: the bundle's name in messages."""
+    name = shown or storable(os.path.basename(bundle))
+    budget = _ExtractBudget(dest, os.path.getsize(bundle))
 
     def stopped(member: str) -> None:
         messages.append(f"{name}: extraction stopped at member {member!r}: the bundle expands beyond {budget.why}; "
                         "that member and the ones after it are not ingested (extract the bundle yourself to read it whole)")
+
+    def too_many(member: str) -> None:
+        messages.append(f"{name}: extraction stopped at member {member!r}: the bundle has more than "
+                        f"{_int_setting('FORENSICS_MAX_EXTRACT_MEMBERS', MAX_EXTRACT_MEMBERS):,} members "
+                        "(FORENSICS_MAX_EXTRACT_MEMBERS); the ones after it are not ingested")
     if bundle.lower().endswith(".zip"):
         with zipfile.ZipFile(bundle) as zf:
             for info in zf.infolist():
+                if not budget.member():
+                    too_many(info.filename)
+                    return
                 mode = info.external_attr >> 16
                 if stat.S_ISLNK(mode):
                     messages.append(f"{name}: skipped symlink member {info.filename!r}")
@@ -205,6 +246,9 @@ def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
         return
     with tarfile.open(bundle, "r:*") as tf:
         for member in tf:
+            if not budget.member():
+                too_many(member.name)
+                return
             try:
                 safe = tarfile.data_filter(member, str(dest))
             except tarfile.FilterError as exc:
@@ -229,6 +273,39 @@ def extract_bundle(bundle: str, dest: Path, messages: list[str]) -> None:
                 if not budget.copy(src, target):
                     stopped(member.name)
                     return
+
+
+BUNDLE_ERRORS = (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, zlib.error)
+
+
+def _is_archive(path: str) -> bool:
+    """Whether the file is a tar or zip archive (a ``.tar.gz`` name alone does not say)."""
+    try:
+        return zipfile.is_zipfile(path) if path.lower().endswith(".zip") else tarfile.is_tarfile(path)
+    except (OSError, EOFError, zlib.error, tarfile.TarError):
+        return False
+
+
+def expand_archives(files: Iterator[tuple[str, str]], tmp_root: str, messages: list[str], skip: set[str],
+                    depth: int = 0) -> Iterator[tuple[str, str]]:
+    """The files of a walk, with each tar/zip archive among them replaced by its members
+    (extracted into ``tmp_root`` within :class:`_ExtractBudget`), whose paths start with
+    the archive's own (``node2_logs.tar.gz/worker.log``); archives inside those too, up to
+    ``MAX_NESTING`` deep. A file named like an archive that is none is read as a file."""
+    for abs_path, rel in files:
+        if not (_is_bundle(rel) and _is_archive(abs_path)):
+            yield abs_path, rel
+            continue
+        if depth >= MAX_NESTING:
+            messages.append(f"{rel}: an archive {depth} archives deep, not extracted")
+            continue
+        dest = Path(tempfile.mkdtemp(prefix="bundle-", dir=tmp_root))
+        try:
+            extract_bundle(abs_path, dest, messages, shown=rel)
+        except BUNDLE_ERRORS as exc:
+            messages.append(f"{rel}: cannot open archive ({exc.__class__.__name__}: {exc}); extracted what could be read")
+        inner = ((a, f"{rel}/{r}") for a, r in walk(str(dest), messages, skip))
+        yield from expand_archives(inner, tmp_root, messages, skip, depth + 1)
 
 
 def storable(path: str) -> str:
@@ -670,7 +747,7 @@ def _utc(ts: float) -> datetime:
 
 
 def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[], int], summary: IngestSummary,
-         known_files: dict) -> FileTask | dict | None:
+         known_files: dict, prefix: str = "") -> FileTask | dict | None:
     """Decide what to do with one file: a FileTask to parse, a skipped-file row, or
     None when it is already in the database unchanged."""
     try:
@@ -687,14 +764,15 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
         if d.format not in ("empty",):
             summary.messages.append(f"{rel}: skipped, {d.reason}")
         return {
-            "file_id": known.file_id if known else next_id(), "root": root, "path": rel, "format": d.format,
+            "file_id": known.file_id if known else next_id(), "root": root, "path": f"{prefix}/{rel}" if prefix else rel, "format": d.format,
             "kind": "skipped", "compressed": d.compressed, "bytes": st.st_size if st else None, "lines": 0,
             "ends_with_newline": None, "unparsed_lines": 0, "parse_errors": 0 if d.format == "empty" else 1,
             "truncated": False, "sha256": None, "mtime": _utc(st.st_mtime) if st else None, "node": d.node,
             "pid": d.pid, "rank": d.rank, "actor": d.actor, "status": "skipped", "message": d.reason,
             "ingested_at": _utc(time.time()),
         }
-    task = FileTask(next_id() if known is None else known.file_id, root, rel, abs_path, st.st_size, st.st_mtime, d, is_new=known is None)
+    task = FileTask(next_id() if known is None else known.file_id, root, rel, abs_path, st.st_size, st.st_mtime, d,
+                    is_new=known is None, prefix=prefix)
     if known is None:
         return task
     if known.bytes == st.st_size and known.sha256 and _file_sha(abs_path) == known.sha256:
@@ -751,12 +829,20 @@ def ingest(
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
     exclude: list[str] | None = None,
+    add: bool = False,
 ) -> IngestSummary:
     """Ingest folders, files and bundles into the DuckDB database ``db``.
 
     ``exclude``: glob patterns; a file whose relative path or name matches one is not read.
+    ``add``: a database that holds the runs of other PATHs takes these PATHs beside them
+    (without it that raises :class:`RunsApart`; the same PATHs again are always fine).
+    Raises :class:`NothingToIngest` when the PATHs hold no file to read; a database made
+    for the call is then removed.
     """
     t0 = time.perf_counter()
+    if not any(os.path.exists(p) for p in paths):
+        raise NothingToIngest("nothing to ingest: " + "; ".join(f"{storable(p)}: no such file or folder" for p in paths))
+    db_existed = os.path.exists(db)
     summary = IngestSummary(db=str(db))
     summary.messages.extend(parsers.problems())  # format packages left out, and why
     settings = [
@@ -795,25 +881,56 @@ def ingest(
 
         tasks: list[FileTask] = []
         skipped_rows: list[dict] = []
-        for given in paths:
-            if not os.path.exists(given):
-                summary.messages.append(f"{storable(given)}: no such file or folder")
-                continue
-            walk_root = os.path.abspath(given)
-            root = storable(walk_root)  # as stored in files.root
+        given_roots = _given_roots(paths, summary)
+        held = store.path_runs()
+        new_roots = [r for r in given_roots if r not in held]
+        if held and new_roots and not add:
+            raise RunsApart(_refusal(db, held, new_roots))
+
+        def excluded(rel: str) -> bool:
+            return bool(exclude) and any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in exclude)
+
+        found: dict[str, list[tuple[str, str]]] = {}  # root -> its files (absolute, relative)
+        for root, walk_root in given_roots.items():
             if os.path.isfile(walk_root) and _is_bundle(walk_root):
                 dest = Path(tempfile.mkdtemp(prefix="bundle-", dir=tmp_root))
                 try:
                     extract_bundle(walk_root, dest, summary.messages)
-                except (tarfile.TarError, zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+                except BUNDLE_ERRORS as exc:
                     summary.messages.append(f"{root}: cannot open bundle ({exc.__class__.__name__}: {exc}); extracted what could be read")
                 walk_root = str(dest)
+            walked = [0]
+
+            def counted(pairs):
+                for pair in pairs:
+                    walked[0] += 1
+                    yield pair
+            outer = ((a, r) for a, r in counted(walk(walk_root, summary.messages, skip)) if not excluded(r))
+            files = [(a, r) for a, r in expand_archives(outer, tmp_root, summary.messages, skip) if not excluded(r)]
+            if files:
+                found[root] = files
+            else:
+                summary.messages.append(f"{root}: no file to read in it" + (" (every file excluded)" if walked[0] else ""))
+        if not found:
+            said = [m for m in summary.messages if m.endswith(("no such file or folder", "no file to read in it", "(every file excluded)"))]
+            raise NothingToIngest("nothing to ingest: " + "; ".join(said))
+        store.begin()
+        try:
+            for root in found:
+                if root not in held:
+                    store.add_path_run(root)
+            if len(store.path_runs()) > 1:
+                store.ensure_prefixes()
+            store.commit()
+        except BaseException:
+            store.rollback()
+            raise
+        for root, files in found.items():
+            prefix = store.path_prefix(root) or ""
             known_files = store.known_files(root)
-            for abs_path, rel in walk(walk_root, summary.messages, skip):
-                if exclude and any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in exclude):
-                    continue
+            for abs_path, rel in files:
                 summary.files_seen += 1
-                decision = plan(store, root, abs_path, rel, next_id, summary, known_files)
+                decision = plan(store, root, abs_path, rel, next_id, summary, known_files, prefix)
                 if decision is None:
                     summary.files_unchanged += 1
                 elif isinstance(decision, dict):
@@ -914,6 +1031,15 @@ def ingest(
         except BaseException:
             batch.abort()
             raise
+        store.begin()
+        try:
+            for root in found:
+                store.assign_runs(root)
+            store.commit()
+        except BaseException:
+            store.rollback()
+            raise
+        summary.runs = store.run_names(list(found))
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()
         # the parsers are done: the closing checkpoint (rows still in the WAL compressed
@@ -921,11 +1047,39 @@ def ingest(
         # of wall time instead of 2.6-3.3)
         (threads_now,) = store.con.execute("SELECT current_setting('threads')").fetchone()
         store.con.execute(f"SET threads = {max(workers, int(threads_now))}")
+    except NothingToIngest:
+        store.close()
+        if not db_existed:  # made for this call: nothing is left behind
+            for leftover in (db, f"{db}.wal"):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
+        raise
     finally:
         store.close()
         shutil.rmtree(tmp_root, ignore_errors=True)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _given_roots(paths: list[str], summary: IngestSummary) -> dict[str, str]:
+    """The PATHs that exist: root as stored in ``files.root`` -> absolute path; the others
+    are said in the summary."""
+    roots: dict[str, str] = {}
+    for given in paths:
+        if not os.path.exists(given):
+            summary.messages.append(f"{storable(given)}: no such file or folder")
+            continue
+        walk_root = os.path.abspath(given)
+        roots.setdefault(storable(walk_root), walk_root)
+    return roots
+
+
+def _refusal(db: str, held: dict[str, tuple[int, str, str | None]], new_roots: list[str]) -> str:
+    (first_root, (_, first_name, _)), *more = held.items()
+    also = f" (and {len(more)} other run(s))" if more else ""
+    return (f"{os.path.basename(db) or db} already holds run {first_name!r} from {first_root}{also}; "
+            f"pass --db FILE to keep runs apart, or --add to ingest {new_roots[0]} beside it "
+            "(then `diagnose`/`report` --run picks one)")
 
 
 PIECE_BYTES = 64 << 20  # spooled rows per transaction: DuckDB holds them in memory until the commit
@@ -1143,7 +1297,7 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
         extra = f" (+{len(res.problems) - 1} more)" if len(res.problems) > 1 else ""
         summary.messages.append(f"{task.rel}: {message}{extra}")
     row = {
-        "file_id": task.file_id, "root": task.root, "path": task.rel, "format": d.format, "kind": kind,
+        "file_id": task.file_id, "root": task.root, "path": task.stored_path, "format": d.format, "kind": kind,
         "compressed": d.compressed, "bytes": task.size if res.bytes_read is None else res.bytes_read, "lines": lines_total, "ends_with_newline": res.ends_with_newline,
         "unparsed_lines": res.unparsed, "parse_errors": len(res.problems), "truncated": res.truncated,
         "sha256": res.sha256, "mtime": _utc(task.mtime), "node": d.node, "pid": d.pid, "rank": d.rank,

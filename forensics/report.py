@@ -40,7 +40,7 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
-from .store import REPORT_DB_MEMORY, set_memory_limit
+from .store import REPORT_DB_MEMORY, NoSuchRun, diagnosable_runs, pick_run, restrict_to_run, restricted_run, set_memory_limit
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
@@ -794,6 +794,7 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
     con.execute("SET threads = 1")
     diag_con = con.cursor()
     try:
+        restrict_to_run(diag_con, restricted_run(con))  # a cursor has TEMP views of its own: the same run
         diag_con.execute("SET enable_progress_bar = false").fetchall()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-report") as pool:
             diag_future = pool.submit(_diagnosis, diag_con)
@@ -903,15 +904,28 @@ def _page(title: str, db_name: str, c: dict[str, Any]) -> str:
     )
 
 
-def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | None = None) -> ReportResult:
-    """Write the report of database ``db`` to ``out`` (opened read-only)."""
+def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | None = None,
+                 run: str | None = None) -> ReportResult:
+    """Write the report of database ``db`` to ``out`` (opened read-only). A database of
+    several runs (table ``runs``) needs ``run``, the run to report (an id or a name:
+    ``store.pick_run``), else it raises ``store.NoSuchRun`` listing them."""
     if not os.path.exists(db):
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
     con = duckdb.connect(str(db), read_only=True)
     try:
         con.execute("SET enable_progress_bar = false").fetchall()
         set_memory_limit(con, REPORT_DB_MEMORY)  # DuckDB would cache up to 80% of RAM
-        return write_report_con(con, out, title or f"forensics post-mortem: {Path(db).name}")
+        runs = diagnosable_runs(con)
+        name = Path(db).name
+        if run is not None or len(runs) > 1:
+            if run is None:
+                listed = ", ".join(r.name for r in runs[:10]) + (", ..." if len(runs) > 10 else "")
+                raise NoSuchRun(f"{name} holds {len(runs)} runs ({listed}): pass --run NAME (or its id) for the report of one")
+            picked = pick_run(runs, run)
+            if len(runs) > 1:
+                restrict_to_run(con, picked.run_id)
+            name = f"{name}, run {picked.name}"
+        return write_report_con(con, out, title or f"forensics post-mortem: {name}")
     finally:
         con.close()
 

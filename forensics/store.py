@@ -85,6 +85,27 @@ FILES = Table(
         col("status", pa.string(), "`ok`, `partial` (loaded with problems), `skipped` or `error`."),
         col("message", pa.string(), "Why a file was skipped or failed, in words."),
         col("ingested_at", pa.timestamp("us"), "When this file was (last) loaded, UTC."),
+        col("run_id", pa.int64(), "The run the file belongs to (`runs`): the innermost run found around it."),
+    ),
+)
+
+RUNS = Table(
+    "runs",
+    "The runs in the database: one row per ingested PATH (`parent_id` null) and one per run found inside it "
+    "(a Ray `session_*` folder, a bundle folder among sibling folders that each hold their own logs, a driver log "
+    "of its own). The diagnosis and the report read one run at a time (`--run`); `files.run_id` names a file's run.",
+    (
+        col("run_id", pa.int64(), "Id (`files.run_id`); stable across re-ingests of the same PATH."),
+        col("parent_id", pa.int64(), "The PATH's run this run was found in; null for a PATH itself."),
+        col("root", pa.string(), "Absolute path of the folder, file or bundle given to `ingest` (as `files.root`)."),
+        col("rel", pa.string(), "The folder or file of the run, relative to `root` (`''`: the whole PATH)."),
+        col("name", pa.string(), "The name `--run` takes and the diagnosis shows: the PATH's name, then `/rel`."),
+        col("kind", pa.string(), "`path` (a PATH, or a PATH that holds runs), `ray_session`, `bundle` (a folder among siblings) or `driver_log`."),
+        col("path_prefix", pa.string(), "PATH rows: the first component of `files.path` of its files when the database holds "
+                                         "several PATHs (the PATH's name, unique in the database); null when it holds one."),
+        col("files", pa.int64(), "Files of the run (rows of `files`, its inner runs' included)."),
+        col("ingested_at", pa.timestamp("us"), "When the run was first ingested, UTC."),
+        col("updated_at", pa.timestamp("us"), "When an ingest last added to it, UTC."),
     ),
 )
 
@@ -109,7 +130,7 @@ META = Table(
 def all_tables(builtin_only: bool = False) -> list[Table]:
     """The bookkeeping tables and every table the formats fill (``builtin_only``: the
     formats of this package, not those other packages add)."""
-    return [FILES, PROBLEMS, META, *parsers.all_tables(builtin_only)]
+    return [FILES, RUNS, PROBLEMS, META, *parsers.all_tables(builtin_only)]
 
 
 def _duck_type(t: pa.DataType) -> str:
@@ -367,11 +388,117 @@ class Store:
 
     # -- files ----------------------------------------------------------------
     def known_files(self, root: str) -> dict[str, KnownFile]:
-        """Every file already ingested from ``root``, by relative path."""
+        """Every file already ingested from ``root``, by path relative to it (without the
+        PATH's prefix, :meth:`path_prefix`)."""
+        cut = len(self.path_prefix(root) or "")
+        cut += 1 if cut else 0
         rows = self.con.execute(
             "SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ?", [root]
         ).fetchall()
-        return {r[0]: KnownFile(*r[1:]) for r in rows}
+        return {r[0][cut:]: KnownFile(*r[1:]) for r in rows}
+
+    # -- runs -----------------------------------------------------------------
+    def path_runs(self) -> dict[str, tuple[int, str, str | None]]:
+        """The ingested PATHs: root -> (run_id, name, path prefix or None). Files of a
+        database written before runs existed get their PATH's row first."""
+        legacy = [r[0] for r in self.con.execute(
+            "SELECT DISTINCT root FROM files WHERE run_id IS NULL AND root NOT IN (SELECT root FROM runs) ORDER BY 1").fetchall()]
+        for root in legacy:
+            self.add_path_run(root)
+        if legacy:
+            for root in legacy:
+                self.assign_runs(root)
+            if len(self._path_rows()) > 1:  # several PATHs, until now without prefixes
+                self.ensure_prefixes()
+        return self._path_rows()
+
+    def _path_rows(self) -> dict[str, tuple[int, str, str | None]]:
+        return {r[0]: (int(r[1]), r[2], r[3]) for r in self.con.execute(
+            "SELECT root, run_id, name, path_prefix FROM runs WHERE parent_id IS NULL ORDER BY run_id").fetchall()}
+
+    def path_prefix(self, root: str) -> str | None:
+        row = self.con.execute("SELECT path_prefix FROM runs WHERE parent_id IS NULL AND root = ?", [root]).fetchone()
+        return row[0] if row else None
+
+    def _next_run_id(self) -> int:
+        return int(self.con.execute("SELECT coalesce(max(run_id), 0) + 1 FROM runs").fetchone()[0])
+
+    def add_path_run(self, root: str) -> int:
+        """A row for the newly ingested PATH ``root``; its name is the PATH's own name, made
+        unique among the database's PATHs with the folders above it."""
+        taken = {r[0] for r in self.con.execute("SELECT name FROM runs WHERE parent_id IS NULL").fetchall()}
+        parts = [p for p in root.replace("\\", "/").split("/") if p] or [root]
+        name = parts[-1]
+        for i in range(2, len(parts) + 1):
+            if name not in taken:
+                break
+            name = "/".join(parts[-i:])
+        n = 2
+        base = name
+        while name in taken:
+            name, n = f"{base}~{n}", n + 1
+        run_id = self._next_run_id()
+        now = _now()
+        self.con.execute("INSERT INTO runs (run_id, parent_id, root, rel, name, kind, path_prefix, files, ingested_at, updated_at) "
+                         "VALUES (?, NULL, ?, '', ?, 'path', NULL, 0, ?, ?)", [run_id, root, name, now, now])
+        return run_id
+
+    def ensure_prefixes(self) -> None:
+        """Several PATHs in the database: every file's path starts with its PATH's name
+        (../shared/contract.md), so that two ``driver.log`` are never confused. PATHs
+        stored without a prefix get it now."""
+        for root, (_, name, prefix) in self._path_rows().items():
+            if prefix is None:
+                self.con.execute("UPDATE files SET path = ? || '/' || path WHERE root = ?", [name, root])
+                self.con.execute("UPDATE runs SET path_prefix = ? WHERE parent_id IS NULL AND root = ?", [name, root])
+
+    def run_names(self, roots: list[str]) -> list[str]:
+        """The names of the runs (those a diagnosis reads) of the PATHs ``roots``."""
+        return [r.name for r in diagnosable_runs(self.con) if r.root in roots]
+
+    def assign_runs(self, root: str) -> None:
+        """Find the runs among the files of the PATH ``root`` (:mod:`forensics.runs`) and
+        record them: a row per run found inside it (ids kept for runs already known), each
+        file's ``run_id``, each run's file count."""
+        from .runs import DRIVER_FORMATS, find_runs
+
+        path_id, name, prefix = self._path_rows()[root]
+        cut = len(prefix) + 1 if prefix else 0
+        files = self.con.execute("SELECT file_id, path, format FROM files WHERE root = ?", [root]).fetchall()
+        by_rel = {p[cut:]: fid for fid, p, _ in files}
+        drivers = [fid for fid, _, fmt in files if fmt in DRIVER_FORMATS]
+        pids: dict[str, set[int]] = {}
+        if len(drivers) >= 2:
+            rel_of = {fid: p[cut:] for fid, p, _ in files}
+            for fid, named in self.con.execute(
+                    "SELECT file_id, list(DISTINCT pid) FROM lines WHERE list_contains(?, file_id) AND pid IS NOT NULL GROUP BY file_id",
+                    [drivers]).fetchall():
+                pids[rel_of[fid]] = set(named)
+        found, _rest = find_runs([(p[cut:], fmt) for _, p, fmt in files], pids)
+        known = {r[0]: int(r[1]) for r in self.con.execute(
+            "SELECT rel, run_id FROM runs WHERE parent_id = ?", [path_id]).fetchall()}
+        now = _now()
+        self.con.execute("UPDATE files SET run_id = ? WHERE root = ?", [path_id, root])
+        keep = []
+        for run in found:
+            if run.rel == "":
+                continue
+            run_id = known.get(run.rel)
+            if run_id is None:
+                run_id = self._next_run_id()
+                self.con.execute(
+                    "INSERT INTO runs (run_id, parent_id, root, rel, name, kind, path_prefix, files, ingested_at, updated_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?, NULL, 0, ?, ?)", [run_id, path_id, root, run.rel, f"{name}/{run.rel}", run.kind, now, now])
+            keep.append(run_id)
+            ids = [by_rel[f] for f in run.files if f in by_rel]
+            self.con.execute("UPDATE files SET run_id = ? WHERE list_contains(?, file_id)", [run_id, ids])
+        gone = [i for i in known.values() if i not in keep]
+        if gone:
+            self.con.execute("DELETE FROM runs WHERE list_contains(?, run_id)", [gone])
+        self.con.execute(
+            "UPDATE runs SET files = (SELECT count(*) FROM files f WHERE f.run_id = runs.run_id) WHERE parent_id = ?", [path_id])
+        self.con.execute("UPDATE runs SET files = (SELECT count(*) FROM files WHERE root = ?), updated_at = ? WHERE run_id = ?",
+                         [root, now, path_id])
 
     def next_file_id(self) -> int:
         return int(self.con.execute("SELECT coalesce(max(file_id), 0) + 1 FROM files").fetchone()[0])
@@ -488,25 +615,29 @@ class Store:
 
     def fix_yearless_timestamps(self) -> int:
         """Stamps printed without a year (glog, vLLM, syslog) in files that had no full
-        stamp of their own take the year most common among the run's full stamps."""
-        row = self.con.execute(
-            "SELECT year(ts) AS y FROM lines WHERE ts_quality = 'full' GROUP BY y ORDER BY count(*) DESC LIMIT 1"
-        ).fetchone()
-        if row is None:
-            return 0
-        year = int(row[0])
+        stamp of their own take the year most common among the full stamps of their run
+        (``files.run_id``: the runs of a database may be years apart), else, in a run
+        without one, the year most common in the database."""
         from .parsers.lines.common import YEARLESS
 
+        counts = """SELECT coalesce(f.run_id, -1) AS run, year(l.ts) AS y, count(*) AS n
+                    FROM lines l JOIN files f USING (file_id) WHERE l.ts_quality = 'full' GROUP BY ALL"""
+        # a run without a full stamp of its own takes the database's most common year
+        best = f"""(SELECT f.file_id, coalesce(b.y, g.y) AS y FROM files f
+                    LEFT JOIN (SELECT run, arg_max(y, n) AS y FROM ({counts}) GROUP BY run) b ON coalesce(f.run_id, -1) = b.run
+                    CROSS JOIN (SELECT arg_max(y, n) AS y FROM (SELECT y, sum(n) AS n FROM ({counts}) GROUP BY y)) g
+                    WHERE coalesce(b.y, g.y) <> {YEARLESS})"""
         n = self.con.execute(
-            f"""UPDATE lines SET ts = ts + to_years({year - YEARLESS}),
+            f"""UPDATE lines SET ts = ts + to_years(fy.y - {YEARLESS}),
                    ts_quality = CASE WHEN ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END
-                WHERE year(ts) = {YEARLESS} AND ts_quality IN ('no_year', 'inherited')"""
+                FROM {best} fy
+                WHERE lines.file_id = fy.file_id AND year(lines.ts) = {YEARLESS} AND lines.ts_quality IN ('no_year', 'inherited')"""
         ).fetchone()
         for table in all_tables():  # rows derived from lines carry the line's ts
-            if table.name != "lines" and any(c.name == "ts" for c in table.columns):
+            if table.name != "lines" and any(c.name == "ts" for c in table.columns) and table.columns[0].name == "file_id":
                 self.con.execute(
-                    f'UPDATE "{table.name}" SET ts = ts + to_years({year - YEARLESS}) WHERE year(ts) = {YEARLESS}'
-                )
+                    f'UPDATE "{table.name}" SET ts = ts + to_years(fy.y - {YEARLESS}) FROM {best} fy '
+                    f'WHERE "{table.name}".file_id = fy.file_id AND year("{table.name}".ts) = {YEARLESS}')
         return int(n[0]) if n else 0
 
     def table_counts(self) -> dict[str, int]:
@@ -517,6 +648,96 @@ class Store:
 
     def close(self) -> None:
         self.con.close()
+
+
+@dataclass
+class RunRow:
+    run_id: int
+    name: str
+    root: str
+    rel: str
+    kind: str
+    files: int
+
+
+def diagnosable_runs(con: duckdb.DuckDBPyConnection) -> list[RunRow]:
+    """The runs a diagnosis reads one at a time: those with files and no runs inside them
+    (a PATH that holds runs is a container; files of its own, such as a README beside the
+    bundles, are not a run). Empty for a database without ``runs`` rows (one written
+    before runs existed, read-only: it is read whole)."""
+    if not has_table(con, "runs"):
+        return []
+    rows = con.execute(
+        """SELECT r.run_id, r.name, r.root, r.rel, r.kind, r.files FROM runs r
+           WHERE r.files > 0 AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.parent_id = r.run_id)
+           ORDER BY r.run_id""").fetchall()
+    return [RunRow(int(a), b, c, d, e, int(f)) for a, b, c, d, e, f in rows]
+
+
+def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return bool(con.execute(
+        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main' AND database_name = current_database()",
+        [name]).fetchone()[0])
+
+
+class NoSuchRun(LookupError):
+    """``--run`` names no run of the database, or several; the message lists them."""
+
+
+def pick_run(runs: list[RunRow], wanted: str) -> RunRow:
+    """The run ``wanted`` names: its id, its name, or the end of its name after a ``/``
+    (``ray-healthy`` for ``real/ray-healthy``) when only one run's name ends so. Raises
+    :class:`NoSuchRun` saying which runs there are."""
+    w = wanted.strip().rstrip("/")
+    exact = [r for r in runs if str(r.run_id) == w or r.name == w]
+    if not exact:
+        exact = [r for r in runs if r.name.endswith("/" + w)]
+    if len(exact) == 1:
+        return exact[0]
+    listed = ", ".join(f"{r.run_id} {r.name}" for r in runs[:20]) + (f", ... ({len(runs)} in all)" if len(runs) > 20 else "")
+    if exact:
+        raise NoSuchRun(f"--run {wanted!r} names {len(exact)} runs: " + ", ".join(r.name for r in exact[:10]) + "; give its id or whole name")
+    raise NoSuchRun(f"no run {wanted!r} in the database; its runs: {listed or 'none (it holds one, read whole: leave out --run)'}")
+
+
+def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
+    """Make ``con`` see one run only: TEMP views named like the tables (``files`` and every
+    table of file rows) shadow them with the run's rows, so every view, and every query of
+    the diagnosis and the report, reads that run. ``None``: the whole database again."""
+    db = con.execute("SELECT current_database()").fetchone()[0]
+    quoted = '"' + db.replace('"', '""') + '"'
+    names = [FILES.name, RUNS.name] + [t.name for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != FILES.name]
+    have = {r[0] for r in con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database()").fetchall()}
+    for name in names:
+        if name not in have:
+            continue
+        if run_id is None:
+            con.execute(f'DROP VIEW IF EXISTS temp.main."{name}"')
+            continue
+        ids = f"SELECT file_id FROM {quoted}.main.files WHERE run_id = {int(run_id)}"
+        where = f"run_id = {int(run_id)}" if name in (FILES.name, RUNS.name) else f"file_id IN ({ids})"
+        con.execute(f'CREATE OR REPLACE TEMP VIEW "{name}" AS SELECT * FROM {quoted}.main."{name}" WHERE {where}')
+    if run_id is None:
+        con.execute(f"DROP MACRO IF EXISTS temp.main.{_RESTRICTED}")
+    else:
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {_RESTRICTED}() AS {int(run_id)}")
+
+
+_RESTRICTED = "_forensics_run"  # TEMP macro: the run a connection is restricted to (restrict_to_run)
+
+
+def restricted_run(con: duckdb.DuckDBPyConnection) -> int | None:
+    """The run :func:`restrict_to_run` restricted ``con`` to, or None."""
+    have = con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = ? AND schema_name = 'main' "
+                       "AND database_name = 'temp'", [_RESTRICTED]).fetchone()[0]
+    return int(con.execute(f"SELECT {_RESTRICTED}()").fetchone()[0]) if have else None
+
+
+def _now():
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).replace(tzinfo=None)
 
 
 def write_part(path: str | Path, table: pa.Table) -> None:

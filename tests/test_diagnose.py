@@ -237,6 +237,7 @@ def test_detector_score_collapse():
 def test_empty_database_cannot_be_diagnosed(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
+    (empty / "worker.err").write_bytes(b"")  # a folder with nothing in it is nothing to ingest (tests/test_runs.py)
     db = tmp_path / "e.duckdb"
     pipeline.ingest([str(empty)], str(db), workers=1)
     with pytest.raises(dg.NothingToDiagnose):

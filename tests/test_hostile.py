@@ -57,6 +57,23 @@ FOUNDATION = FIXTURES / "foundation"
 MB = 1 << 20
 
 
+def rel_rows(db: Path, sql: str, params=None):
+    """``rows``, with ``files.path`` relative to its PATH again: a database of several PATHs
+    stores each path behind its PATH's name (tests/test_runs.py checks that), and these
+    tests name the files by where they lie under their PATH."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        name = con.execute("SELECT current_database()").fetchone()[0]
+        con.execute(f"""CREATE TEMP VIEW files AS SELECT f.* REPLACE (
+                            CASE WHEN r.path_prefix IS NULL THEN f.path ELSE substr(f.path, length(r.path_prefix) + 2) END AS path)
+                        FROM "{name}".main.files f LEFT JOIN "{name}".main.runs r ON r.parent_id IS NULL AND r.root = f.root""")
+        return con.execute(sql, params or []).fetchall()
+    finally:
+        con.close()
+
+
 # -- helpers ------------------------------------------------------------------------------
 
 def physical(data: bytes) -> int:
@@ -111,7 +128,7 @@ def assert_accounting(db: Path, contents: dict[tuple[str, str], bytes | None]) -
     unknown from outside, e.g. a cut member of a cut bundle: only the database's own
     consistency is checked)."""
     checked = 0
-    for root, path, lines, n_rows, top in rows(db, """
+    for root, path, lines, n_rows, top in rel_rows(db, """
             SELECT f.root, f.path, f.lines, count(l.line_no), coalesce(max(l.line_no), 0)
             FROM files f LEFT JOIN lines l USING (file_id) WHERE f.kind = 'text' GROUP BY ALL"""):
         assert lines == n_rows == top, f"{path}: files.lines={lines}, rows={n_rows}, max(line_no)={top}"
@@ -438,7 +455,7 @@ def _stderr_lines(hostile, rel: str) -> list[str]:
 def test_each_bad_input(hostile, rel):
     """Its `files` row (status, kind) and the message the user got about it."""
     e = hostile.expect[rel]
-    got = rows(hostile.db, "SELECT status, kind, message FROM files WHERE root = ? AND path = ?", [str(hostile.logs), rel])
+    got = rel_rows(hostile.db, "SELECT status, kind, message FROM files WHERE root = ? AND path = ?", [str(hostile.logs), rel])
     if e.statuses is None:
         assert got == [], got
     else:
@@ -461,7 +478,7 @@ def test_line_accounting_of_every_text_file(hostile):
     checked = assert_accounting(hostile.db, hostile.contents)
     assert checked >= 30
     # the ones where the content decides: gzip cut off, a zero-filled tail, NULs inside
-    got = dict(rows(hostile.db, "SELECT path, lines FROM files WHERE root = ?", [str(hostile.logs)]))
+    got = dict(rel_rows(hostile.db, "SELECT path, lines FROM files WHERE root = ?", [str(hostile.logs)]))
     assert got["gz/trunc.log.gz"] == physical(gunzip_prefix((hostile.logs / "gz/trunc.log.gz").read_bytes())) > 1000
     assert got["gz/garbage_tail.log.gz"] == 3000
     assert 0 < got["gz/corrupt_middle.log.gz"] <= 8000
@@ -470,7 +487,7 @@ def test_line_accounting_of_every_text_file(hostile):
 
 def test_text_content_survives(hostile):
     def lines_of(rel: str) -> list[tuple]:
-        return rows(hostile.db, """SELECT line_no, text, l.message FROM lines l JOIN files f USING (file_id)
+        return rel_rows(hostile.db, """SELECT line_no, text, l.message FROM lines l JOIN files f USING (file_id)
                                    WHERE f.root = ? AND f.path = ? ORDER BY line_no""", [str(hostile.logs), rel])
 
     assert [r[1] for r in lines_of("enc/nul_inside.log")] == ["before", "hello\x00world\x00\x00", "after"]
@@ -488,13 +505,13 @@ def test_text_content_survives(hostile):
 
 
 def test_50mb_line_is_one_shortened_row(hostile):
-    got = rows(hostile.db, """SELECT line_no, byte_offset, octet_length(encode(text)), text[:22], text[-21:]
+    got = rel_rows(hostile.db, """SELECT line_no, byte_offset, octet_length(encode(text)), text[:22], text[-21:]
                               FROM lines l JOIN files f USING (file_id) WHERE f.path = 'big/one_line.log' ORDER BY line_no""")
     assert [r[0] for r in got] == [1, 2, 3]
     assert got[1][2] <= text_mod.MAX_LINE_BYTES
     assert got[1][3] == "HEAD-OF-THE-LONG-LINE " and got[1][4] == " END-OF-THE-LONG-LINE"
     assert got[2][1] == len(b"start of the run\n") + len(b"HEAD-OF-THE-LONG-LINE ") + 50 * MB + len(b" END-OF-THE-LONG-LINE\n")
-    problems = rows(hostile.db, "SELECT p.line_no, p.kind, p.message FROM problems p JOIN files f USING (file_id) WHERE f.path = 'big/one_line.log'")
+    problems = rel_rows(hostile.db, "SELECT p.line_no, p.kind, p.message FROM problems p JOIN files f USING (file_id) WHERE f.path = 'big/one_line.log'")
     assert problems == [(2, "warning", f"line 2 is {22 + 50 * MB + 21:,} bytes long: stored its first and last "
                                        f"{text_mod.KEEP_BYTES:,} bytes only")]
 
@@ -515,7 +532,7 @@ def test_nothing_written_outside_the_database(hostile):
 
 def test_pickles_are_never_run(hostile):
     assert not canary_path(hostile.base).exists()
-    got = dict(rows(hostile.db, """SELECT f.path, d.status FROM fr_dumps d JOIN files f USING (file_id)"""))
+    got = dict(rel_rows(hostile.db, """SELECT f.path, d.status FROM fr_dumps d JOIN files f USING (file_id)"""))
     assert got["pickles/reduce_os_system_p2/nccl_trace_rank_0"] == "refused"
     assert got["pickles/stack_global_exec_p4/nccl_trace_rank_0"] == "refused"
     assert got["pickles/eval_p5/nccl_trace_rank_0"] == "refused"
@@ -523,7 +540,7 @@ def test_pickles_are_never_run(hostile):
     assert got["pickles/persid_p2/nccl_trace_rank_0"] == "refused"
     assert got["pickles/ext1_p2/nccl_trace_rank_0"] in ("refused", "corrupt")
     # nothing of a refused dump is loaded
-    assert rows(hostile.db, "SELECT count(*) FROM fr_entries")[0][0] == 0
+    assert rel_rows(hostile.db, "SELECT count(*) FROM fr_entries")[0][0] == 0
 
 
 def test_bundles_keep_their_members_inside(hostile):
@@ -532,11 +549,11 @@ def test_bundles_keep_their_members_inside(hostile):
         said = [ln for ln in stderr.splitlines() if bundle in ln]
         for name in names:
             assert any(name in ln for ln in said), (bundle, name, said)
-    got = {(r, p) for r, p in rows(hostile.db, "SELECT root, path FROM files WHERE root <> ?", [str(hostile.logs)])}
+    got = {(r, p) for r, p in rel_rows(hostile.db, "SELECT root, path FROM files WHERE root <> ?", [str(hostile.logs)])}
     assert (str(hostile.bundles[0]), "run/ok.log") in got and (str(hostile.bundles[1]), "zrun/ok.log") in got
     assert not {p for _, p in got if "escaped" in p or "passwd" in p or "link" in p or "dotdot" in p}
     assert any(r == str(hostile.bundles[2]) for r, _ in got)  # members before the cut were read
-    assert rows(hostile.db, "SELECT count(*) FROM lines WHERE text LIKE 'root:%:0:0:%'")[0][0] == 0
+    assert rel_rows(hostile.db, "SELECT count(*) FROM lines WHERE text LIKE 'root:%:0:0:%'")[0][0] == 0
 
 
 def test_query_is_read_only_without_write(hostile, tmp_path):
@@ -784,7 +801,7 @@ def test_database_and_temporary_folders_inside_the_input(tmp_path, monkeypatch):
     db = root / "x.duckdb"
     pipeline.ingest([str(bundle), str(root)], str(db), workers=1)
     paths = {p for (p,) in rows(db, "SELECT path FROM files WHERE root = ?", [str(root)])}
-    assert paths == {"w0.log", "w1.log", "big.log"}
+    assert paths == {"logs/w0.log", "logs/w1.log", "logs/big.log"}  # two PATHs: each path starts with its PATH's name
     assert pipeline.ingest([str(root)], str(db), workers=1).files_unchanged == 3
 
 

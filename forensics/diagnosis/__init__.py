@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Iterable
 
 import duckdb
@@ -25,14 +26,14 @@ import duckdb
 from .. import catalogue as sig
 from .. import detectors
 from ..catalogue import Catalogue
-from ..store import SettingError, set_memory_limit
+from ..store import RunRow, SettingError, diagnosable_runs, pick_run, restrict_to_run, set_memory_limit
 from . import explain, incident, matching, placement, selection, times
 from .context import Context
-from .explain import render
+from .explain import render as render_one
 from .facts import RunConfig, RunFacts
 from .model import FAILED, HEALTHY, INCOMPLETE, Diagnosis, Event, Evidence, Finding, Hit, RootCause
 
-__all__ = ["diagnose", "headline", "render", "Diagnosis", "RootCause", "Evidence", "Finding", "NothingToDiagnose",
+__all__ = ["diagnose", "headline", "render", "RunDiagnoses", "Diagnosis", "RootCause", "Evidence", "Finding", "NothingToDiagnose",
            "ensure_views", "RunFacts", "RunConfig", "Hit", "Event"]
 
 
@@ -54,11 +55,15 @@ def ensure_views(con: duckdb.DuckDBPyConnection) -> None:
 
 def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] = (), *,
              con: duckdb.DuckDBPyConnection | None = None, catalogue: Catalogue | None = None,
-             performance: bool = True, context: int = 0) -> Diagnosis:
+             performance: bool = True, context: int = 0, run: str | None = None) -> "Diagnosis | RunDiagnoses":
     """Diagnose the run(s) in the database ``db`` (or the open connection ``con``).
     ``performance``: also compute the performance findings (stragglers, slow sync, ...).
     ``context``: give each root cause's first evidence line the ``context`` lines of its
-    file before and after it."""
+    file before and after it. ``run``: the run to diagnose (id or name, ``store.pick_run``).
+
+    A database with one run gives its :class:`Diagnosis`; one with several runs (table
+    ``runs``) gives a :class:`RunDiagnoses`, each run diagnosed on its own over its own
+    files, unless ``run`` picks one."""
     t0 = time.perf_counter()
     cat = catalogue or sig.load(signature_dirs)
     own = con is None
@@ -73,15 +78,77 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
             con.close()
             raise
     try:
-        d = run(Context(con, cat, performance))
-        if context > 0:
-            explain.add_context(con, d, context)
+        runs = diagnosable_runs(con)
+        if run is not None:
+            picked = pick_run(runs, run)
+            result = _diagnose_run(con, cat, performance, context, picked.run_id if len(runs) > 1 else None)
+        elif len(runs) <= 1:
+            result = _diagnose_run(con, cat, performance, context, None)
+        else:
+            result = RunDiagnoses([])
+            for r in runs:
+                try:
+                    result.runs.append((r, _diagnose_run(con, cat, performance, context, r.run_id), None))
+                except NothingToDiagnose as exc:
+                    result.runs.append((r, None, str(exc)))
     finally:
         if own:
             con.close()
-    d.seconds = time.perf_counter() - t0
-    d.rules = len(cat.rules)
-    return d
+    result.seconds = time.perf_counter() - t0
+    result.rules = len(cat.rules)
+    return result
+
+
+def _diagnose_run(con: duckdb.DuckDBPyConnection, cat: Catalogue, performance: bool, context: int,
+                  run_id: int | None) -> Diagnosis:
+    """One run's diagnosis: over the files of ``run_id`` only (None: the whole database)."""
+    if run_id is not None:
+        restrict_to_run(con, run_id)
+    try:
+        d = run(Context(con, cat, performance))
+        if context > 0:
+            explain.add_context(con, d, context)
+        return d
+    finally:
+        if run_id is not None:
+            restrict_to_run(con, None)
+
+
+@dataclass
+class RunDiagnoses:
+    """The diagnoses of a database that holds several runs: (run, its diagnosis or None,
+    why there is none), in the order of ``runs.run_id``."""
+
+    runs: list[tuple[RunRow, Diagnosis | None, str | None]]
+    seconds: float = 0.0
+    rules: int = 0
+
+    def to_dict(self) -> dict:
+        """``{"runs": [{"run": name, "run_id": id, "root": PATH, <the one-run object>}, ...]}``;
+        a run with nothing to diagnose has ``"verdict": null`` and ``"error"``."""
+        out = []
+        for r, d, why in self.runs:
+            head = {"run": r.name, "run_id": r.run_id, "root": r.root}
+            out.append({**head, **d.to_dict()} if d is not None else {**head, "verdict": None, "error": why})
+        return {"runs": out}
+
+    def headline(self) -> str:
+        """One line per run under a first line that counts them."""
+        lines = [f"{len(self.runs)} runs (diagnose --run NAME for one)"]
+        for r, d, why in self.runs:
+            lines.append(f"  {r.name}: {d.headline() if d is not None else 'nothing to diagnose (' + str(why) + ')'}")
+        return "\n".join(lines)
+
+
+def render(d: "Diagnosis | RunDiagnoses", verbose: bool = False) -> str:
+    """The readable report of ``forensics diagnose``: one block per run when there are several."""
+    if not isinstance(d, RunDiagnoses):
+        return render_one(d, verbose=verbose)
+    blocks = []
+    for r, one, why in d.runs:
+        title = f"== run {r.name} (--run {r.run_id}; {r.files} file(s) from {r.root}) =="
+        blocks.append(title + "\n" + (render_one(one, verbose=verbose) if one is not None else f"nothing to diagnose: {why}"))
+    return f"{len(d.runs)} runs in the database, each diagnosed on its own\n\n" + "\n\n".join(blocks)
 
 
 def headline(db_path: str | os.PathLike) -> str:

@@ -111,17 +111,19 @@ def cascade(ctx: Context, hits: list[Hit], cls: str, rank: int | None) -> list[s
 MAX_CASCADE_EVENTS = 200
 
 
-def cascade_events(root: Event, rank: int | None, events: list[Event], cls: str) -> list[dict]:
+def cascade_events(ctx: Context, root: Event, rank: int | None, events: list[Event], cls: str) -> list[dict]:
     """The root cause's event and the events of its cascade, earliest first, one dict each:
     ``class``, ``role`` (``root`` for the root cause, else the event's role), ``what`` (the
     rule's description of it), ``rank``, the line it cites (``file``, ``line``, ``text``),
     ``ts`` (the event's time as the diagnosis placed it: its earliest own stamp, else the
     latest stamp its lines inherited; None when unknown) and ``ts_precise`` (the time was
-    printed on one of its lines). The report draws them per rank."""
+    printed on one of its lines). The times are the diagnosis' one estimate of each event
+    (:mod:`.times`), never with the parsers' placeholder year. The report draws them per rank."""
     def one(e: Event, role: str, r: int | None) -> dict:
         o = e.origin
         shown = o.line_message if o.line_message is not None else o.message
-        lo = e.lo
+        w = times.with_year(ctx.con, times.of_hits(e.hits), e.hits)
+        lo = w.lo if w.year != times.UNKNOWN else None
         return {"class": e.cls, "role": role, "what": describe(o) or o.rule.title or o.rule.id, "rank": r,
                 "file": o.path, "line": o.line_no, "text": clip(shown or "", 300),
                 "ts": lo.isoformat(sep=" ") if lo else None, "ts_precise": e.precise_any}

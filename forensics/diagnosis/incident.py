@@ -112,7 +112,7 @@ def build(ctx: Context, root: Event, causes: list[Event], fallbacks: list[Event]
     return RootCause(id=cls, confidence=conf, rank=rank, node=node, phase=phase, step=step, evidence=evidence,
                      symptoms=sym_classes, remediation=remediation, title=title, summary=summary,
                      cascade=cascade, notes=notes, rank_source=rank_source, exception=exception_of(ctx, root),
-                     cascade_events=explain.cascade_events(root, rank, cascade_evts, cls))
+                     cascade_events=explain.cascade_events(ctx, root, rank, cascade_evts, cls))
 
 
 MAX_FRAMES = 10
