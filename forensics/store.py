@@ -366,10 +366,14 @@ class Store:
         sql_modules.create(self.con)
 
     # -- files ----------------------------------------------------------------
-    def known_files(self, root: str) -> dict[str, KnownFile]:
-        """Every file already ingested from ``root``, by relative path."""
+    def known_files(self, root: str, node: str | None = None) -> dict[str, KnownFile]:
+        """Every file already ingested from ``root`` (``node``: read on that node, by the
+        Ray engine: one path is a different file on each node), by relative path."""
+        where, params = "root = ?", [root]
+        if node is not None:
+            where, params = "root = ? AND node = ?", [root, node]
         rows = self.con.execute(
-            "SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ?", [root]
+            f"SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE {where}", params
         ).fetchall()
         return {r[0]: KnownFile(*r[1:]) for r in rows}
 
@@ -435,8 +439,8 @@ class Store:
         return sorted(notes.values())
 
     def insert_parts(self, parts: dict[str, list[str]], con: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:
-        """Insert spooled Arrow IPC parts (on ``con``, a cursor of this store, else its
-        connection); return rows added per table."""
+        """Insert spooled Arrow IPC parts, or Arrow tables (on ``con``, a cursor of this
+        store, else its connection); return rows added per table."""
         con = con or self.con
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
@@ -444,8 +448,11 @@ class Store:
             if name not in by_name:
                 raise KeyError(f"parser produced rows for unknown table {name!r}")
             for p in paths:
-                with pa.memory_map(p) as source:
-                    arrow = ipc.open_file(source).read_all()
+                if isinstance(p, pa.Table):  # rows another engine handed over in memory
+                    arrow = p
+                else:
+                    with pa.memory_map(p) as source:
+                        arrow = ipc.open_file(source).read_all()
                 con.register("_part", arrow)
                 con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
                 con.unregister("_part")
