@@ -57,8 +57,20 @@ class Run:
         except StoreError as exc:  # in use by an ingest, not a DuckDB file, unwritable folder
             raise ForensicsError(str(exc)) from exc
         self.con = self.store.con
+        self._attach_parts()
         self.last_ingest: pipeline.IngestSummary | None = None
         phases_mod.attach(self.con)  # phase rules (signatures/phases.yaml) for the phase views
+
+    def _attach_parts(self) -> None:
+        """A database made of views over parts on object storage (``ingest --engine ray
+        --views-only``) reads them through fsspec (forensics.distributed.attach_parts)."""
+        from . import distributed
+
+        try:
+            distributed.attach_parts(self.con)
+        except distributed.EngineError as exc:
+            self.store.close()
+            raise ForensicsError(str(exc)) from exc
 
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas). DuckDB's
@@ -221,9 +233,16 @@ def ingest(
     ``KeyboardInterrupt``, with the files loaded so far committed."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    return _ingested(db, debug, (), lambda: pipeline.ingest(
+        [str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude))
+
+
+def _ingested(db, debug: bool, user_errors: tuple, run_ingest: Callable[[], pipeline.IngestSummary]) -> Run:
+    """Run an engine's ingest, its user errors (and ``user_errors``) as :class:`ForensicsError`,
+    and return the database opened read-only with the summary as ``last_ingest``."""
     try:
-        summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude)
-    except (StoreError, pipeline.IngestError) as exc:
+        summary = run_ingest()
+    except (StoreError, pipeline.IngestError, *user_errors) as exc:
         raise ForensicsError(str(exc)) from exc
     except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
         if debug:
@@ -232,6 +251,55 @@ def ingest(
     run = Run(db)
     run.last_ingest = summary
     return run
+
+
+def ingest_ray(
+    paths: str | os.PathLike | list | None = None,
+    db: str | os.PathLike = "forensics.duckdb",
+    address: str | None = None,
+    parts: str | None = None,
+    views_only: bool = False,
+    shared: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    debug: bool = False,
+    exclude: list[str] | None = None,
+) -> Run:
+    """Ingest on the Ray cluster at ``address`` (``forensics ingest --engine ray``; None:
+    the cluster this process is connected to, else ``RAY_ADDRESS``, else the local one)
+    and return the database opened read-only, as :func:`ingest` does.
+
+    ``paths``: None, every alive node reads its own Ray session logs; else every node
+    reads those paths where they exist on it (``{node}`` in a path stands for the node's
+    name). ``shared`` (implied when a path is a URL such as ``s3://bucket/logs``): the paths
+    are one file list every node can read, split across the cluster's CPUs. ``parts``: a
+    folder or URL the nodes write their Parquet parts to (None: the rows come back through
+    the Ray object store); ``views_only``: leave the parts there and make ``db`` views over
+    them. ``workers``: parser processes per node (None: the node's CPUs). A node that dies
+    is named in ``run.last_ingest.messages`` with the files it did not load; everything
+    else is loaded, and a re-run loads the rest. Needs ``pip install 'forensics[ray]'``."""
+    from . import distributed
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    return _ingested(db, debug, (distributed.EngineError,), lambda: distributed.ingest(
+        [str(p) for p in paths] if paths else None, str(db), address=address, parts=parts, views_only=views_only,
+        shared=shared, workers=workers, progress=progress, debug=debug, exclude=exclude))
+
+
+def collect(out: str | os.PathLike, address: str | None = None) -> dict:
+    """Copy every alive node's Ray session logs into ``out/node_<node>/...`` through Ray's
+    state API (``forensics collect``), for a cluster about to be torn down; ``forensics
+    ingest OUT`` then names each file's node. Returns ``{"out", "nodes": {node: files},
+    "bytes", "messages"}``. Needs ``pip install 'forensics[ray]'``."""
+    from . import distributed
+
+    try:
+        return distributed.collect(str(out), address)
+    except distributed.EngineError as exc:
+        raise ForensicsError(str(exc)) from exc
+    except OSError as exc:
+        raise ForensicsError(f"cannot write {out}: {exc}") from exc
 
 
 def query(db: str | os.PathLike, sql: str, write: bool = False) -> pl.DataFrame:
