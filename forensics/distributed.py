@@ -596,8 +596,10 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
     A task that fails (its node died) is noted in its state; the others go on."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    remote_node = ray.remote(node_ingest).options(num_cpus=0, max_retries=0, _generator_backpressure_num_objects=QUEUE_AHEAD)
-    remote_shared = ray.remote(shared_ingest).options(num_cpus=1, max_retries=0, _generator_backpressure_num_objects=QUEUE_AHEAD)
+    # a node's task takes no CPU of its own (a post-mortem may run while the cluster is busy);
+    # it parses with the node's CPUs; a shared slice takes one CPU
+    common = {"max_retries": 0, "_generator_backpressure_num_objects": QUEUE_AHEAD}
+    remote_node, remote_shared = ray.remote(node_ingest), ray.remote(shared_ingest)
     items: queue.Queue = queue.Queue()
     states: dict[str, _NodeState] = {}
     threads = []
@@ -614,9 +616,10 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
     for node, job in jobs:
         state = states.setdefault(job.name, _NodeState(job.name))
         if node is not None:
-            gen = remote_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(job)
+            gen = remote_node.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False),
+                                      **common).remote(job)
         else:
-            gen = remote_shared.remote(job)
+            gen = remote_shared.options(num_cpus=1, **common).remote(job)
         t = threading.Thread(target=follow, args=(state, gen), name=f"forensics-follow-{job.name}", daemon=True)
         t.start()
         threads.append(t)
