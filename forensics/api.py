@@ -216,12 +216,17 @@ def open(db: str | os.PathLike = "forensics.duckdb", write: bool = False) -> Run
 # -- one function per command ---------------------------------------------------------------
 
 def ingest(
-    paths: str | os.PathLike | list,
+    paths: str | os.PathLike | list | None,
     db: str | os.PathLike = "forensics.duckdb",
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
     exclude: list[str] | None = None,
+    engine: str = "local",
+    address: str | None = None,
+    parts: str | None = None,
+    views_only: bool = False,
+    shared: bool = False,
 ) -> Run:
     """Ingest folders / files / bundles into ``db`` (``forensics ingest``) and return the
     database opened read-only; ``run.last_ingest`` is the summary (files by format, rows
@@ -230,7 +235,21 @@ def ingest(
     ``workers``: parser processes (None: one per core); ``progress(done, total, path)``
     is called as files are loaded; ``exclude``: globs of files not to read; ``debug``:
     a parser's bug is reported with its traceback. Ctrl-C stops it as
-    ``KeyboardInterrupt``, with the files loaded so far committed."""
+    ``KeyboardInterrupt``, with the files loaded so far committed.
+
+    ``engine="ray"``: :func:`ingest_ray`, with ``address``, ``parts``, ``views_only`` and
+    ``shared`` (options of that engine only); it needs no ``paths``."""
+    if engine not in ("local", "ray"):
+        raise ForensicsError(f"unknown engine {engine!r}: use local or ray")
+    if engine == "ray":
+        return ingest_ray(paths, db, address=address, parts=parts, views_only=views_only, shared=shared,
+                          workers=workers, progress=progress, debug=debug, exclude=exclude)
+    ray_options = {"address": address, "parts": parts, "views_only": views_only, "shared": shared}
+    if any(ray_options.values()):
+        given = ", ".join("--" + k.replace("_", "-") for k, v in ray_options.items() if v)
+        raise ForensicsError(f"{given}: only with the Ray engine (--engine ray)")
+    if not paths:
+        raise ForensicsError("give PATHS to ingest (only the Ray engine reads the cluster's own logs without them)")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     return _ingested(db, debug, (), lambda: pipeline.ingest(

@@ -160,20 +160,12 @@ def ingest(
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
-    if engine not in ("local", "ray"):
-        raise api.ForensicsError(f"unknown --engine {engine!r}: use local or ray")
-    if engine == "local" and (address or parts or views_only or shared):
-        raise api.ForensicsError("--address, --parts, --views-only and --shared go with --engine ray")
-    if engine == "local" and not paths:
-        raise api.ForensicsError("give PATHS to ingest (only --engine ray reads the cluster's own logs without them)")
     with _interruptible():
         try:
             with _progress_bar(show_progress) as progress:
-                if engine == "ray":
-                    run = api.ingest_ray(paths or None, db, address=address, parts=parts, views_only=views_only, shared=shared,
-                                         workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
-                else:
-                    run = api.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude)
+                run = api.ingest(paths or None, db, workers=workers or None, progress=progress, debug=State.debug,
+                                 exclude=exclude, engine=engine, address=address, parts=parts, views_only=views_only,
+                                 shared=shared)
         except BaseException as exc:  # a user error (ForensicsError) goes on to _Group.invoke
             if State.interrupted or isinstance(exc, KeyboardInterrupt):
                 _fail(INTERRUPTED_INGEST, 130)
@@ -274,11 +266,11 @@ def _headline(run: api.Run) -> str | None:
 
 @_command()
 def collect(
-    out_dir: str = typer.Argument(..., metavar="OUT", help="Folder to copy the logs into (OUT/node_<node>/...)."),
+    out_dir: str = typer.Argument(..., metavar="OUT_DIR", help="Folder to copy the logs into (OUT_DIR/node_<node>/...)."),
     address: Optional[str] = typer.Option(None, "--address", metavar="ADDR", help="The Ray cluster (default: RAY_ADDRESS, else the one started here)."),
     as_json: bool = typer.Option(False, "--json", help="Print what was copied as JSON."),
 ) -> None:
-    """Copy every alive Ray node's session logs here, for `forensics ingest OUT`."""
+    """Copy every alive Ray node's session logs into OUT_DIR, for `forensics ingest OUT_DIR`."""
     result = api.collect(out_dir, address=address)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
