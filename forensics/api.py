@@ -57,20 +57,8 @@ class Run:
         except StoreError as exc:  # in use by an ingest, not a DuckDB file, unwritable folder
             raise ForensicsError(str(exc)) from exc
         self.con = self.store.con
-        self._attach_parts()
         self.last_ingest: pipeline.IngestSummary | None = None
         phases_mod.attach(self.con)  # phase rules (signatures/phases.yaml) for the phase views
-
-    def _attach_parts(self) -> None:
-        """A database made of views over parts on object storage (``ingest --engine ray
-        --views-only``) reads them through fsspec (forensics.distributed.attach_parts)."""
-        from . import distributed
-
-        try:
-            distributed.attach_parts(self.con)
-        except distributed.EngineError as exc:
-            self.store.close()
-            raise ForensicsError(str(exc)) from exc
 
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas). DuckDB's

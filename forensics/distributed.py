@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 import pyarrow as pa
 
 from . import pipeline
-from .store import FILES, PROBLEMS, KnownFile, Store, all_tables
+from .store import FILES, PARTS_KEY as VIEWS_KEY, PROBLEMS, KnownFile, Store, all_tables, attach_parts
 
 RAY_MISSING = "the Ray engine needs Ray, which is not installed: pip install 'forensics[ray]'"
 NODE_LABEL = "forensics-node"  # a node label that names the node
@@ -613,6 +613,7 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
             items.put((state, exc))
         items.put((state, finished))
 
+    gens = []
     for node, job in jobs:
         state = states.setdefault(job.name, _NodeState(job.name))
         if node is not None:
@@ -620,26 +621,35 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
                                       **common).remote(job)
         else:
             gen = remote_shared.options(num_cpus=1, **common).remote(job)
+        gens.append(gen)
         t = threading.Thread(target=follow, args=(state, gen), name=f"forensics-follow-{job.name}", daemon=True)
         t.start()
         threads.append(t)
     running, done, total = len(threads), 0, 0
-    while running:
-        state, item = items.get()
-        if item is finished:
-            running -= 1
-            continue
-        if isinstance(item, BaseException):
-            state.error = f"{item.__class__.__name__}: {str(item).splitlines()[0] if str(item) else ''}"
-            continue
-        if isinstance(item, Plan):
-            state.planned = list(state.planned or []) + item.files
-            state.absent = item.absent
-            total += len(item.files)
-        else:
-            state.loaded.update((r.task.root, r.task.rel) for r in item.job.results)
-            done += len(item.job.results)
-        handle(item, done, total)
+    try:
+        while running:
+            state, item = items.get()
+            if item is finished:
+                running -= 1
+                continue
+            if isinstance(item, BaseException):
+                state.error = f"{item.__class__.__name__}: {str(item).splitlines()[0] if str(item) else ''}"
+                continue
+            if isinstance(item, Plan):
+                state.planned = list(state.planned or []) + item.files
+                state.absent = item.absent
+                total += len(item.files)
+            else:
+                state.loaded.update((r.task.root, r.task.rel) for r in item.job.results)
+                done += len(item.job.results)
+            handle(item, done, total)
+    except BaseException:  # interrupted, or the database failed: the nodes stop parsing
+        for gen in gens:
+            try:
+                ray.cancel(gen, force=True)
+            except Exception:  # noqa: BLE001 - a task that ended meanwhile cannot be cancelled
+                pass
+        raise
     for t in threads:
         t.join()
     return states
@@ -715,7 +725,6 @@ def _remove_spool(dest: str, ingest_id: str) -> None:
 
 # -- the database as views over parts (``views_only``) ----------------------------------
 
-VIEWS_KEY = "parts_url"  # meta: where the parts of a views-only database are
 
 
 def _known_from_parts(dest: str) -> tuple[dict[str, dict[str, dict[str, KnownFile]]], int]:
@@ -791,30 +800,6 @@ def _check_views_db(db: str, dest: str) -> None:
         raise EngineError(f"{db} holds loaded rows: give --views-only another --db (or ingest without --views-only)")
     if url and url[0] != dest:
         raise EngineError(f"{db} is made of the parts at {url[0]}, not {dest}: give the same --parts or another --db")
-
-
-def attach_parts(con) -> None:
-    """Make the parts of a views-only database on object storage readable on ``con``
-    (DuckDB reads them through an fsspec filesystem, e.g. s3fs); nothing for other
-    databases or parts on a local or shared folder."""
-    import duckdb
-
-    try:
-        row = con.execute("SELECT value FROM meta WHERE key = ?", [VIEWS_KEY]).fetchone()
-    except duckdb.Error:
-        return
-    if not row or "://" not in row[0] or row[0].startswith("file://"):
-        return
-    scheme = row[0].split("://", 1)[0]
-    try:
-        import fsspec
-
-        fs = fsspec.filesystem(scheme)
-    except (ImportError, ValueError) as exc:
-        raise EngineError(f"this database reads its rows from {row[0]}: that needs fsspec with {scheme} support "
-                          f"(pip install 'forensics[ray]'): {exc}") from None
-    if not any(f.protocol == fs.protocol for f in con.list_filesystems() if hasattr(f, "protocol")):
-        con.register_filesystem(fs)
 
 
 def _parts_glob(dest: str, table: str) -> str:

@@ -39,7 +39,7 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
-from .store import REPORT_DB_MEMORY, set_memory_limit
+from .store import REPORT_DB_MEMORY, attach_parts, set_memory_limit
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
@@ -749,6 +749,7 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
     con = duckdb.connect(str(db), read_only=True)
     try:
+        attach_parts(con)  # a database of views over parts on object storage
         con.execute("SET enable_progress_bar = false").fetchall()
         set_memory_limit(con, REPORT_DB_MEMORY)  # DuckDB would cache up to 80% of RAM
         return write_report_con(con, out, title or f"forensics post-mortem: {Path(db).name}")

@@ -43,6 +43,32 @@ DB_MEMORY = "256MB"  # ingest and diagnosis
 REPORT_DB_MEMORY = "512MB"
 
 
+PARTS_KEY = "parts_url"  # meta: where the parts of a views-only database are (ingest --engine ray --views-only)
+
+
+def attach_parts(con: duckdb.DuckDBPyConnection) -> None:
+    """Make the parts of a views-only database on object storage readable on ``con``:
+    DuckDB reads them through an fsspec filesystem (s3fs for ``s3://``) registered on the
+    connection. Nothing for other databases, or parts on a local or shared folder. A
+    missing fsspec is a :class:`StoreError` saying what to install."""
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = ?", [PARTS_KEY]).fetchone()
+    except duckdb.Error:  # no meta table (an empty or foreign database)
+        return
+    if not row or "://" not in row[0] or row[0].startswith("file://"):
+        return
+    scheme = row[0].split("://", 1)[0]
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(scheme)
+    except (ImportError, ValueError) as exc:
+        raise StoreError(f"this database reads its rows from {row[0]}: that needs fsspec with {scheme} support "
+                         f"(pip install 'forensics[ray]'): {exc}") from None
+    if not con.filesystem_is_registered(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]):
+        con.register_filesystem(fs)
+
+
 class SettingError(ValueError):
     """An environment setting that DuckDB does not take."""
 
@@ -322,6 +348,11 @@ class Store:
         self.read_only = read_only
         self._pending_fingerprint: str | None = None
         quiet_progress_bar(self.con)
+        try:
+            attach_parts(self.con)
+        except StoreError:
+            self.con.close()
+            raise
         if not read_only:
             self.ensure_schema(defer_views)
 

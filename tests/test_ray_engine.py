@@ -167,6 +167,20 @@ def test_parts_folder_loaded_and_views_only_answer_the_same_queries(tmp_path):
     assert_same_rows(views, local_db)
 
 
+def test_paths_on_no_node_and_a_dead_nodes_files_are_named():
+    states = {"a": D._NodeState("a", planned=[("/r", "x.log"), ("/r", "y.log")], loaded={("/r", "x.log")},
+                                absent=["/nowhere", "/data/a"], error="NodeDiedError: node a died"),
+              "b": D._NodeState("b", planned=[], absent=["/nowhere"]),
+              "c": D._NodeState("c", error="WorkerCrashedError: gone")}
+    summary = pipeline.IngestSummary()
+    D.report_nodes(states, ["/nowhere", "/data/{node}"], summary, shared=False)
+    text = "\n".join(summary.messages)
+    assert "node a failed (NodeDiedError: node a died): 1 of its file(s) not loaded: y.log" in text
+    assert "x.log" not in text
+    assert "node c failed before it listed its files" in text
+    assert "/nowhere: no such file or folder on any node" in text and "/data/{node}" not in text
+
+
 # -- slow: a local Ray cluster -------------------------------------------------------------
 
 def _free_port() -> int:
@@ -335,6 +349,9 @@ def test_cluster_parts_destination_loaded_and_views_only(cluster, s3, tmp_path, 
     with api.open(loaded) as full:
         assert run.sql(q).rows() == full.sql(q).rows()
     run.close()
+    # the commands that open the database themselves read the parts too (on S3 through fsspec)
+    assert api.diagnose(views).headline() == api.diagnose(loaded).headline()
+    assert api.report(views, str(tmp_path / "views.html")).bytes > 0
     pipeline.ingest([str(data / n) for n in ("head", "a", "b")], local_db, workers=1)
     assert_same_rows(loaded, local_db)
     assert_same_rows(views, local_db)
