@@ -52,14 +52,16 @@ def node_items(folder: Path, i: int, dest: str | None, views_only: bool = False)
 
 
 def driver_load(db: str, items_by_node: list[list], dest: str | None) -> tuple[float, float, int]:
-    store = Store(db)
+    store = pipeline.open_writer(db, defer_views=False)
+    batch = pipeline._Batch(store)
     summary = pipeline.IngestSummary(db=db)
     t_cpu, t_wall = time.process_time(), time.perf_counter()
     try:
         for items in items_by_node:
             for item in items:
                 item = pickle.loads(pickle.dumps(item, protocol=5))  # what ray.get hands the driver
-                D._load_item(store, item, summary, False, dest, None, 0, 0)
+                D._load_item(store, batch, item, summary, False, dest, None, 0, 0)
+        batch.close()
         store.fix_yearless_timestamps()
         rows = sum(store.table_counts().values())
     finally:

@@ -463,7 +463,8 @@ def ingest(paths: list[str] | None, db: str, address: str | None = None, parts: 
     if views_only:
         return _views_ingest(ray, nodes, paths, db, parts, shared, workers, progress, debug, exclude, ingest_id, t0)
     summary = pipeline.IngestSummary(db=str(db))
-    store = Store(db)
+    store = pipeline.open_writer(db, defer_views=False)
+    batch = pipeline._Batch(store)  # jobs of all nodes grouped into few transactions, as the local engine does
     try:
         for rel in store.drop_unfinished_files():
             summary.messages.append(f"{rel}: its load was interrupted last time; it is read again")
@@ -473,8 +474,13 @@ def ingest(paths: list[str] | None, db: str, address: str | None = None, parts: 
         jobs = (_shared_jobs(paths, known, offsets, first, exclude, workers, debug, parts, ingest_id, summary)
                 if shared else
                 _node_jobs(nodes, paths, known, offsets, first, exclude, workers, debug, parts, ingest_id))
-        states = run_jobs(ray, jobs, nodes, shared,
-                          lambda item, done, total: _load_item(store, item, summary, debug, parts, progress, done, total))
+        try:
+            states = run_jobs(ray, jobs, nodes, shared, lambda item, done, total: _load_item(
+                store, batch, item, summary, debug, parts, progress, done, total))
+            batch.close()
+        except BaseException:
+            batch.abort()
+            raise
         report_nodes(states, paths, summary, shared)
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()
@@ -680,36 +686,28 @@ def report_nodes(states: dict[str, _NodeState], paths: list[str] | None, summary
             summary.messages.append(f"{pipeline.storable(p)}: no such file or folder on any node")
 
 
-def _load_item(store: Store, item: Plan | Chunk, summary: pipeline.IngestSummary, debug: bool, dest: str | None,
-               progress, done: int, total: int) -> None:
+def _load_item(store: Store, batch: pipeline._Batch, item: Plan | Chunk, summary: pipeline.IngestSummary,
+               debug: bool, dest: str | None, progress, done: int, total: int) -> None:
+    """Load what a node yielded in ``batch``'s open transaction (the caller closes it):
+    a plan's rows of files not parsed, or a parsed job (see :func:`pipeline.load_job`)."""
     if isinstance(item, Plan):
         summary.add(item.summary)
         if item.skipped:
-            store.begin()
-            try:
-                added = 0
-                for row in item.skipped:
-                    if store.con.execute("SELECT 1 FROM files WHERE file_id = ?", [row["file_id"]]).fetchone():
-                        store.delete_file_rows(row["file_id"], None)  # known, now empty or unreadable: its rows go
-                    else:
-                        added += 1
-                    store.record_skipped(row)
-                store.commit()
-            except BaseException:
-                store.rollback()
-                raise
+            batch.ensure()
+            added = 0
+            for row in item.skipped:
+                if store.con.execute("SELECT 1 FROM files WHERE file_id = ?", [row["file_id"]]).fetchone():
+                    store.delete_file_rows(row["file_id"], None)  # known, now empty or unreadable: its rows go
+                else:
+                    added += 1
+                store.record_skipped(row)
             summary.count_rows(FILES.name, added)
+            batch.add(len(item.skipped), len(item.skipped))
         return
     job = item.job
     if dest:
         job.parts = {name: [read_part(dest, p) for p in paths] for name, paths in job.parts.items()}
-    batch = pipeline._Batch(store)
-    try:
-        pipeline.load_job(store, batch, job, summary, debug)
-        batch.close()
-    except BaseException:
-        batch.abort()
-        raise
+    pipeline.load_job(store, batch, job, summary, debug)
     if progress and job.results:
         progress(done, total, job.results[-1].task.rel)
 

@@ -751,6 +751,32 @@ def make_tmp_root() -> str:
     return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=base)
 
 
+def open_writer(db: str, defer_views: bool = True) -> Store:
+    """The database opened as the ingest's single writer, with the ingest's DuckDB settings
+    (``defer_views``: the views are made at :meth:`Store.finish_schema`, while the parsers
+    start). A setting DuckDB refuses is an :class:`IngestError`."""
+    settings = [
+        # one writer thread: the parser processes need the cores, and DuckDB writes each
+        # insert as full row groups instead of one partial group per thread (measured on
+        # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
+        ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
+        # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
+        ("checkpoint_threshold", "FORENSICS_DB_CHECKPOINT", os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)),
+    ]
+    store = Store(db, defer_views=defer_views)
+    try:
+        set_memory_limit(store.con)
+        for key, env, value in settings:
+            apply_setting(store.con, key, env, value)
+    except SettingError as exc:
+        store.close()
+        raise IngestError(str(exc)) from None
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 def ingest(
     paths: list[str],
     db: str = "forensics.duckdb",
@@ -766,25 +792,7 @@ def ingest(
     t0 = time.perf_counter()
     summary = IngestSummary(db=str(db))
     summary.messages.extend(parsers.problems())  # format packages left out, and why
-    settings = [
-        # one writer thread: the parser processes need the cores, and DuckDB writes each
-        # insert as full row groups instead of one partial group per thread (measured on
-        # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
-        ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
-        # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
-        ("checkpoint_threshold", "FORENSICS_DB_CHECKPOINT", os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)),
-    ]
-    store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
-    try:
-        set_memory_limit(store.con)
-        for key, env, value in settings:
-            apply_setting(store.con, key, env, value)
-    except SettingError as exc:
-        store.close()
-        raise IngestError(str(exc)) from None
-    except BaseException:
-        store.close()
-        raise
+    store = open_writer(db)
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
     tmp_root = make_tmp_root()

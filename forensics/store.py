@@ -46,17 +46,20 @@ REPORT_DB_MEMORY = "512MB"
 PARTS_KEY = "parts_url"  # meta: where the parts of a views-only database are (ingest --engine ray --views-only)
 
 
-def attach_parts(con: duckdb.DuckDBPyConnection) -> None:
+def attach_parts(con: duckdb.DuckDBPyConnection) -> str | None:
     """Make the parts of a views-only database on object storage readable on ``con``:
     DuckDB reads them through an fsspec filesystem (s3fs for ``s3://``) registered on the
-    connection. Nothing for other databases, or parts on a local or shared folder. A
-    missing fsspec is a :class:`StoreError` saying what to install."""
+    connection. Nothing for other databases, or parts on a local or shared folder. Returns
+    where the parts are (None: not a views-only database). A missing fsspec is a
+    :class:`StoreError` saying what to install."""
     try:
         row = con.execute("SELECT value FROM meta WHERE key = ?", [PARTS_KEY]).fetchone()
     except duckdb.Error:  # no meta table (an empty or foreign database)
-        return
-    if not row or "://" not in row[0] or row[0].startswith("file://"):
-        return
+        return None
+    if not row:
+        return None
+    if "://" not in row[0] or row[0].startswith("file://"):
+        return row[0]
     scheme = row[0].split("://", 1)[0]
     try:
         import fsspec
@@ -67,6 +70,7 @@ def attach_parts(con: duckdb.DuckDBPyConnection) -> None:
                          f"(pip install 'forensics[ray]'): {exc}") from None
     if not con.filesystem_is_registered(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]):
         con.register_filesystem(fs)
+    return row[0]
 
 
 class SettingError(ValueError):
@@ -349,7 +353,10 @@ class Store:
         self._pending_fingerprint: str | None = None
         quiet_progress_bar(self.con)
         try:
-            attach_parts(self.con)
+            parts = attach_parts(self.con)
+            if parts and not read_only:
+                raise StoreError(f"{self.path} is made of views over the parts at {parts}: ingest into it with "
+                                 f"`--engine ray --parts {parts} --views-only`, or give another --db")
         except StoreError:
             self.con.close()
             raise

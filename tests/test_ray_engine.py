@@ -70,14 +70,18 @@ def node_copies(tmp: Path) -> Path:
 def in_process(paths, db: str, names=("gpu-a", "gpu-b"), dest: str | None = None) -> pipeline.IngestSummary:
     """The Ray engine's node side and driver side, without Ray: each named node's job
     run here, what it yields loaded as the driver does."""
-    store = Store(db)
+    store = pipeline.open_writer(db, defer_views=False)
+    batch = pipeline._Batch(store)
     summary = pipeline.IngestSummary(db=db)
     try:
         known, offsets, first = D._known_by_node(store), D._last_line_offsets(store), store.next_file_id()
         nodes = [D.Node(f"id-{n}", n, None, 1) for n in names]
         for _, job in D._node_jobs(nodes, paths, known, offsets, first, [], 1, False, dest, D._run_id()):
             for item in D.node_ingest(job):
-                D._load_item(store, item, summary, False, dest, None, 0, 0)
+                D._load_item(store, batch, item, summary, False, dest, None, 0, 0)
+        batch.close()
+        if dest:
+            D._remove_spool(dest, job.ingest)
     finally:
         store.close()
     return summary
@@ -150,7 +154,7 @@ def test_parts_folder_loaded_and_views_only_answer_the_same_queries(tmp_path):
     data = node_copies(tmp_path)
     loaded, views = str(tmp_path / "loaded.duckdb"), str(tmp_path / "views.duckdb")
     in_process([str(data / "{node}")], loaded, dest=str(tmp_path / "spool"))
-    assert list((tmp_path / "spool").glob("_spool/*/table=lines/ray_node=gpu-a/ingest=*/*.parquet"))
+    assert (tmp_path / "spool" / "_spool").is_dir() and not list((tmp_path / "spool").rglob("*.parquet"))  # removed once loaded
     in_process_views([str(data / "{node}")], views, str(tmp_path / "parts"))
     assert list((tmp_path / "parts").glob("table=lines/ray_node=gpu-b/ingest=*/*.parquet"))
     assert_same_rows(loaded, views)
@@ -165,6 +169,8 @@ def test_parts_folder_loaded_and_views_only_answer_the_same_queries(tmp_path):
     local_db = str(tmp_path / "local.duckdb")
     pipeline.ingest([str(data / "gpu-a"), str(data / "gpu-b")], local_db, workers=1)
     assert_same_rows(views, local_db)
+    with pytest.raises(api.ForensicsError, match="views over the parts"):  # not a database to load rows into
+        api.ingest([str(data)], views)
 
 
 def test_paths_on_no_node_and_a_dead_nodes_files_are_named():
@@ -331,9 +337,17 @@ def test_cluster_paths_per_node_match_the_local_engine(cluster, tmp_path):
     assert_same_rows(db, local_db)
     with duckdb.connect(db, read_only=True) as con:
         assert all(os.path.basename(r) == n for r, n in con.execute("SELECT root, node FROM files").fetchall())
-    again = api.ingest_ray([str(data / "{node}")], db)
-    assert again.last_ingest.files_loaded == 0 and sum(again.last_ingest.rows_added.values()) == 0
-    again.close()
+    # the command line, on the same database: nothing to add
+    import json
+
+    from typer.testing import CliRunner
+
+    from forensics.cli import app
+
+    res = CliRunner().invoke(app, ["ingest", "--engine", "ray", str(data / "{node}"), "--db", db, "--json"])
+    assert res.exit_code == 0, res.output
+    again = json.loads(res.stdout)
+    assert again["files_loaded"] == 0 and again["files_unchanged"] == 5 and sum(again["rows_added"].values()) == 0
 
 
 @pytest.mark.slow
