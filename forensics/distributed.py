@@ -606,7 +606,11 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
     # it parses with the node's CPUs; a shared slice takes one CPU
     common = {"max_retries": 0, "_generator_backpressure_num_objects": QUEUE_AHEAD}
     remote_node, remote_shared = ray.remote(node_ingest), ray.remote(shared_ingest)
-    items: queue.Queue = queue.Queue()
+    # The followers hand over references, not rows: the rows stay in the nodes' object
+    # stores until this thread loads them (ray.get), one item at a time, and a follower
+    # blocks while the queue is full, so it stops consuming its generator and the node
+    # stops after QUEUE_AHEAD items: the driver's memory does not grow with the cluster.
+    items: queue.Queue = queue.Queue(maxsize=len(jobs) + 1)
     states: dict[str, _NodeState] = {}
     threads = []
     finished = object()
@@ -614,7 +618,7 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
     def follow(state: _NodeState, gen) -> None:
         try:
             for ref in gen:
-                items.put((state, ray.get(ref)))
+                items.put((state, ref))
         except Exception as exc:  # noqa: BLE001 - the node died, its worker crashed: said by name
             items.put((state, exc))
         items.put((state, finished))
@@ -638,6 +642,11 @@ def run_jobs(ray, jobs: list[tuple[Node | None, NodeJob]], nodes: list[Node], sh
             if item is finished:
                 running -= 1
                 continue
+            if not isinstance(item, BaseException):
+                try:
+                    item = ray.get(item)
+                except Exception as exc:  # noqa: BLE001 - lost with its node: said by name below
+                    item = exc
             if isinstance(item, BaseException):
                 state.error = f"{item.__class__.__name__}: {str(item).splitlines()[0] if str(item) else ''}"
                 continue
