@@ -67,7 +67,7 @@ def node_copies(tmp: Path) -> Path:
     return data
 
 
-def in_process(paths, db: str, names=("gpu-a", "gpu-b"), dest: str | None = None) -> pipeline.IngestSummary:
+def in_process(paths, db: str, names=("gpu-a", "gpu-b"), dest: str | None = None, workers: int = 1) -> pipeline.IngestSummary:
     """The Ray engine's node side and driver side, without Ray: each named node's job
     run here, what it yields loaded as the driver does."""
     store = pipeline.open_writer(db, defer_views=False)
@@ -76,7 +76,7 @@ def in_process(paths, db: str, names=("gpu-a", "gpu-b"), dest: str | None = None
     try:
         known, offsets, first = D._known_by_node(store), D._last_line_offsets(store), store.next_file_id()
         nodes = [D.Node(f"id-{n}", n, None, 1) for n in names]
-        for _, job in D._node_jobs(nodes, paths, known, offsets, first, [], 1, False, dest, D._run_id()):
+        for _, job in D._node_jobs(nodes, paths, known, offsets, first, [], workers, False, dest, D._run_id()):
             for item in D.node_ingest(job):
                 D._load_item(store, batch, item, summary, False, dest, None, 0, 0)
         batch.close()
@@ -131,6 +131,18 @@ def test_node_side_loads_the_local_engines_rows_with_the_reading_node(tmp_path):
         # lines without a host of their own carry the node that read their file
         assert con.execute("SELECT count(*) FROM lines l JOIN files f USING (file_id) "
                            "WHERE l.node IS DISTINCT FROM f.node").fetchone()[0] == 0
+
+
+def test_a_node_with_cpus_parses_in_a_process_pool(tmp_path):
+    data = node_copies(tmp_path)
+    for i in range(3):  # several jobs: files over a MB are parsed alone
+        line = b"[2025-03-01 10:00:00,000 I 100 100] node_manager.cc:1: heartbeat\n"
+        (data / "gpu-a" / f"big-{i}.log").write_bytes(line * (1_100_000 // len(line)))
+    ray_db, local_db = str(tmp_path / "ray.duckdb"), str(tmp_path / "local.duckdb")
+    summary = in_process([str(data / "{node}")], ray_db, workers=2)
+    assert summary.files_loaded == 7 and not summary.messages
+    pipeline.ingest([str(data / "gpu-a"), str(data / "gpu-b")], local_db, workers=1)
+    assert_same_rows(ray_db, local_db)
 
 
 def test_node_side_is_idempotent_per_node_and_path_and_reads_grown_files_from_their_end(tmp_path):
@@ -348,6 +360,14 @@ def test_cluster_paths_per_node_match_the_local_engine(cluster, tmp_path):
     assert res.exit_code == 0, res.output
     again = json.loads(res.stdout)
     assert again["files_loaded"] == 0 and again["files_unchanged"] == 5 and sum(again["rows_added"].values()) == 0
+    # a driver of its own, connecting by --address
+    other = str(tmp_path / "other.duckdb")
+    proc = subprocess.run([sys.executable, "-m", "forensics", "ingest", "--engine", "ray", "--address",
+                           cluster.cluster.address, str(data / "{node}"), "--db", other, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["files_loaded"] == 5
+    assert_same_rows(other, local_db)
 
 
 @pytest.mark.slow
