@@ -839,6 +839,7 @@ def make_views(con, dest: str) -> None:
     con.execute("INSERT INTO meta VALUES ('schema_version', ?), (?, ?)", [str(SCHEMA_VERSION), VIEWS_KEY, dest])
     attach_parts(con)
     read = "read_parquet('{}', hive_partitioning = true, hive_types_autocast = false)"
+    bodies: dict[str, str] = {}
     if _has_parts(dest, FILES.name):
         con.execute(f"CREATE OR REPLACE VIEW _parts_files AS SELECT * FROM {read.format(_parts_glob(dest, FILES.name))} "
                     "QUALIFY row_number() OVER (PARTITION BY file_id ORDER BY ingest DESC) = 1")
@@ -854,8 +855,33 @@ def make_views(con, dest: str) -> None:
         else:
             body = (f"SELECT {cols} FROM {read.format(_parts_glob(dest, table.name))} p "
                     "SEMI JOIN _parts_files f ON p.file_id = f.file_id AND p.ingest = f.ingest")
+        bodies[table.name] = body
         con.execute(f'CREATE OR REPLACE VIEW "{table.name}" AS {body}')
+    _views_with_years(con, bodies)
     sql_modules.create(con)
+
+
+def _views_with_years(con, bodies: dict[str, str]) -> None:
+    """What :meth:`Store.fix_yearless_timestamps` does to loaded rows, in the views: a stamp
+    printed without a year takes the year most common among the run's full stamps."""
+    from .parsers.lines.common import YEARLESS
+
+    row = con.execute("SELECT year(ts) AS y FROM lines WHERE ts_quality = 'full' "
+                      "GROUP BY y ORDER BY count(*) DESC LIMIT 1").fetchone()
+    if row is None or int(row[0]) == YEARLESS:
+        return
+    shift = f"to_years({int(row[0]) - YEARLESS})"
+    for name, body in bodies.items():
+        cols = {c[0] for c in con.execute(f'DESCRIBE "{name}"').fetchall()}
+        if "ts" not in cols:
+            continue
+        if name == "lines":
+            yearless = f"year(ts) = {YEARLESS} AND ts_quality IN ('no_year', 'inherited')"
+            fixed = (f"CASE WHEN {yearless} THEN ts + {shift} ELSE ts END AS ts, "
+                     f"CASE WHEN {yearless} AND ts_quality = 'no_year' THEN 'year_inferred' ELSE ts_quality END AS ts_quality")
+        else:  # rows derived from lines carry the line's ts
+            fixed = f"CASE WHEN year(ts) = {YEARLESS} THEN ts + {shift} ELSE ts END AS ts"
+        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS SELECT * REPLACE ({fixed}) FROM ({body})')
 
 
 # -- collect: every node's logs, pulled to this machine ---------------------------------

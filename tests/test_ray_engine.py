@@ -199,6 +199,20 @@ def test_paths_on_no_node_and_a_dead_nodes_files_are_named():
     assert "/nowhere: no such file or folder on any node" in text and "/data/{node}" not in text
 
 
+def test_views_give_yearless_stamps_the_runs_year_as_loading_does(tmp_path):
+    vllm = ROOT / "tests" / "fixtures" / "vllm"  # driver.log has full stamps, engine.log none
+    (tmp_path / "gpu-a").mkdir()
+    (tmp_path / "gpu-b").mkdir()
+    shutil.copy(vllm / "driver.log", tmp_path / "gpu-a")
+    shutil.copy(vllm / "engine.log", tmp_path / "gpu-b")
+    views, local_db = str(tmp_path / "views.duckdb"), str(tmp_path / "local.duckdb")
+    in_process_views([str(tmp_path / "{node}")], views, str(tmp_path / "parts"))
+    pipeline.ingest([str(tmp_path / "gpu-a"), str(tmp_path / "gpu-b")], local_db, workers=1)
+    with duckdb.connect(local_db, read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM lines WHERE ts_quality = 'year_inferred'").fetchone()[0] > 0
+    assert_same_rows(views, local_db)
+
+
 # -- slow: a local Ray cluster -------------------------------------------------------------
 
 def _free_port() -> int:
