@@ -64,7 +64,7 @@ def driver_load(db: str, items_by_node: list[list], dest: str | None) -> tuple[f
                 t0 = time.process_time()
                 item = pickle.loads(blob)  # what ray.get hands the driver
                 unpickle += time.process_time() - t0
-                D._load_item(store, batch, item, summary, False, dest, None, 0, 0)
+                D._load_item(store, batch, item, summary, False, None, 0, 0)
         batch.close()
         store.fix_yearless_timestamps()
         rows = sum(store.table_counts().values())

@@ -150,10 +150,10 @@ class PartWriter:
     def __init__(self, dest: str, node: str, ingest: str, spool: bool):
         self.fs, base = _filesystem(dest)
         self.base = base.rstrip("/") + ("/_spool/" + ingest if spool else "")
-        self.node, self.ingest, self.seq = node, ingest, 0
+        self.dest, self.node, self.ingest, self.seq = dest, node, ingest, 0
         self.local = type(self.fs).__name__ == "LocalFileSystem"
 
-    def write(self, table: str, arrow: pa.Table) -> str:
+    def write(self, table: str, arrow: pa.Table) -> "Part":
         import pyarrow.parquet as pq
 
         folder = f"{self.base}/{part_dir(table, self.node, self.ingest)}"
@@ -162,14 +162,24 @@ class PartWriter:
         self.seq += 1
         path = f"{folder}/{uuid.uuid4().hex[:8]}-{self.seq:06d}.parquet"
         pq.write_table(arrow, path, filesystem=self.fs, compression="zstd")
-        return path
+        return Part(path, arrow.nbytes, self.dest)
 
 
-def read_part(dest: str, path: str) -> pa.Table:
-    import pyarrow.parquet as pq
+@dataclass
+class Part:
+    """A Parquet part at the destination, read by the driver only when it loads it (a big
+    file's rows are loaded in pieces, never all in memory): what pipeline.part_size and
+    Store.insert_parts take besides spooled files and tables."""
 
-    fs, _ = _filesystem(dest)
-    return pq.read_table(path, filesystem=fs)
+    path: str
+    nbytes: int
+    dest: str  # the --parts destination it is under (its filesystem)
+
+    def read(self) -> pa.Table:
+        import pyarrow.parquet as pq
+
+        fs, _ = _filesystem(self.dest)
+        return pq.read_table(self.path, filesystem=fs)
 
 
 # -- what a node does -----------------------------------------------------------------
@@ -476,7 +486,7 @@ def ingest(paths: list[str] | None, db: str, address: str | None = None, parts: 
                 _node_jobs(nodes, paths, known, offsets, first, exclude, workers, debug, parts, ingest_id))
         try:
             states = run_jobs(ray, jobs, nodes, shared, lambda item, done, total: _load_item(
-                store, batch, item, summary, debug, parts, progress, done, total))
+                store, batch, item, summary, debug, progress, done, total))
             batch.close()
         except BaseException:
             batch.abort()
@@ -696,7 +706,7 @@ def report_nodes(states: dict[str, _NodeState], paths: list[str] | None, summary
 
 
 def _load_item(store: Store, batch: pipeline._Batch, item: Plan | Chunk, summary: pipeline.IngestSummary,
-               debug: bool, dest: str | None, progress, done: int, total: int) -> None:
+               debug: bool, progress, done: int, total: int) -> None:
     """Load what a node yielded in ``batch``'s open transaction (the caller closes it):
     a plan's rows of files not parsed, or a parsed job (see :func:`pipeline.load_job`)."""
     if isinstance(item, Plan):
@@ -714,8 +724,6 @@ def _load_item(store: Store, batch: pipeline._Batch, item: Plan | Chunk, summary
             batch.add(len(item.skipped), len(item.skipped))
         return
     job = item.job
-    if dest:
-        job.parts = {name: [read_part(dest, p) for p in paths] for name, paths in job.parts.items()}
     pipeline.load_job(store, batch, job, summary, debug)
     if progress and job.results:
         progress(done, total, job.results[-1].task.rel)

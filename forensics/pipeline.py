@@ -882,9 +882,10 @@ def ingest(
 
 
 def part_size(part) -> int:
-    """Bytes of one part: an Arrow IPC file spooled here, or an Arrow table in memory
-    (what another engine hands over)."""
-    return part.nbytes if isinstance(part, pa.Table) else os.path.getsize(part)
+    """Bytes of one part: an Arrow IPC file spooled here (a path), or what another engine
+    hands over: an Arrow table in memory, or an object with ``nbytes`` and ``read()`` that
+    reads its table when it is loaded (a Parquet part elsewhere)."""
+    return os.path.getsize(part) if isinstance(part, str) else part.nbytes
 
 
 def load_job(store: Store, batch: "_Batch", job: JobResult, summary: IngestSummary, debug: bool = False) -> None:
@@ -922,7 +923,7 @@ def load_job(store: Store, batch: "_Batch", job: JobResult, summary: IngestSumma
     batch.add(len(job.results), sum(counts.values()), sum(part_size(p) for paths_ in pieces[-1].values() for p in paths_))
     for paths_ in job.parts.values():
         for p in paths_:
-            if not isinstance(p, pa.Table):
+            if isinstance(p, str):
                 try:
                     os.unlink(p)
                 except OSError:

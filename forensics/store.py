@@ -477,8 +477,9 @@ class Store:
         return sorted(notes.values())
 
     def insert_parts(self, parts: dict[str, list[str]], con: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:
-        """Insert spooled Arrow IPC parts, or Arrow tables (on ``con``, a cursor of this
-        store, else its connection); return rows added per table."""
+        """Insert spooled Arrow IPC parts, Arrow tables, or parts with a ``read()`` that
+        gives their table (on ``con``, a cursor of this store, else its connection);
+        return rows added per table."""
         con = con or self.con
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
@@ -488,6 +489,8 @@ class Store:
             for p in paths:
                 if isinstance(p, pa.Table):  # rows another engine handed over in memory
                     arrow = p
+                elif not isinstance(p, (str, os.PathLike)):  # a part read only now (pipeline.part_size)
+                    arrow = p.read()
                 else:
                     with pa.memory_map(p) as source:
                         arrow = ipc.open_file(source).read_all()

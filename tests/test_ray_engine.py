@@ -78,7 +78,7 @@ def in_process(paths, db: str, names=("gpu-a", "gpu-b"), dest: str | None = None
         nodes = [D.Node(f"id-{n}", n, None, 1) for n in names]
         for _, job in D._node_jobs(nodes, paths, known, offsets, first, [], workers, False, dest, D._run_id()):
             for item in D.node_ingest(job):
-                D._load_item(store, batch, item, summary, False, dest, None, 0, 0)
+                D._load_item(store, batch, item, summary, False, None, 0, 0)
         batch.close()
         if dest:
             D._remove_spool(dest, job.ingest)
@@ -143,6 +143,41 @@ def test_a_node_with_cpus_parses_in_a_process_pool(tmp_path):
     assert summary.files_loaded == 7 and not summary.messages
     pipeline.ingest([str(data / "gpu-a"), str(data / "gpu-b")], local_db, workers=1)
     assert_same_rows(ray_db, local_db)
+
+
+def test_a_big_files_parts_are_read_piece_by_piece_as_they_are_loaded(tmp_path, monkeypatch):
+    data = node_copies(tmp_path)
+    line = b"[2025-03-01 10:00:00,000 I 100 100] node_manager.cc:1: heartbeat from a node\n"
+    (data / "gpu-a" / "big.log").write_bytes(line * ((5 << 20) // len(line)))  # 5 MB
+    monkeypatch.setattr(pipeline, "PIECE_BYTES", 1 << 20)  # several transactions for big.log
+    from forensics.parsers import text
+
+    monkeypatch.setattr(text.parse_text, "__defaults__", (1 << 20,))  # big.log parsed in 1 MB chunks: a part each
+    reads, inserting = [], []
+    real_read, real_insert = D.Part.read, Store.insert_parts
+
+    def read(self):
+        assert inserting, "a part read before its piece is inserted: a big file's rows would all be in memory"
+        reads.append(self.path)
+        return real_read(self)
+
+    def insert_parts(self, parts, con=None):
+        inserting.append(1)
+        try:
+            return real_insert(self, parts, con)
+        finally:
+            inserting.pop()
+
+    monkeypatch.setattr(D.Part, "read", read)
+    monkeypatch.setattr(Store, "insert_parts", insert_parts)
+    ray_db, local_db = str(tmp_path / "ray.duckdb"), str(tmp_path / "local.duckdb")
+    in_process([str(data / "{node}")], ray_db, dest=str(tmp_path / "spool"))
+    assert len(reads) == len(set(reads))  # every part read once, when its piece is inserted
+    assert len([r for r in reads if "table=lines/ray_node=gpu-a/" in r]) >= 5
+    pipeline.ingest([str(data / "gpu-a"), str(data / "gpu-b")], local_db, workers=1)
+    assert_same_rows(ray_db, local_db)
+    with duckdb.connect(ray_db, read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM meta WHERE key = 'loading_file'").fetchone()[0] == 0
 
 
 def test_node_side_is_idempotent_per_node_and_path_and_reads_grown_files_from_their_end(tmp_path):
