@@ -213,13 +213,18 @@ def open(db: str | os.PathLike = "forensics.duckdb", write: bool = False) -> Run
 # -- one function per command ---------------------------------------------------------------
 
 def ingest(
-    paths: str | os.PathLike | list,
+    paths: str | os.PathLike | list | None,
     db: str | os.PathLike = "forensics.duckdb",
     workers: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     debug: bool = False,
     exclude: list[str] | None = None,
     add: bool = False,
+    engine: str = "local",
+    address: str | None = None,
+    parts: str | None = None,
+    views_only: bool = False,
+    shared: bool = False,
 ) -> Run:
     """Ingest folders / files / bundles into ``db`` (``forensics ingest``) and return the
     database opened read-only; ``run.last_ingest`` is the summary (files by format, rows
@@ -233,13 +238,33 @@ def ingest(
     other PATHs the database holds (without it that is a :class:`ForensicsError` saying
     so; the same PATHs again are always fine). PATHs that hold no file to read are a
     :class:`ForensicsError` too (no database is left behind). Ctrl-C stops it as
-    ``KeyboardInterrupt``, with the files loaded so far committed."""
+    ``KeyboardInterrupt``, with the files loaded so far committed.
+
+    ``engine="ray"``: :func:`ingest_ray`, with ``address``, ``parts``, ``views_only`` and
+    ``shared`` (options of that engine only); it needs no ``paths``."""
+    if engine not in ("local", "ray"):
+        raise ForensicsError(f"unknown engine {engine!r}: use local or ray")
+    if engine == "ray":
+        return ingest_ray(paths, db, address=address, parts=parts, views_only=views_only, shared=shared,
+                          workers=workers, progress=progress, debug=debug, exclude=exclude)
+    ray_options = {"address": address, "parts": parts, "views_only": views_only, "shared": shared}
+    if any(ray_options.values()):
+        given = ", ".join("--" + k.replace("_", "-") for k, v in ray_options.items() if v)
+        raise ForensicsError(f"{given}: only with the Ray engine (--engine ray)")
+    if not paths:
+        raise ForensicsError("give PATHS to ingest (only the Ray engine reads the cluster's own logs without them)")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    return _ingested(db, debug, (), lambda: pipeline.ingest(
+        [str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude, add=add))
+
+
+def _ingested(db, debug: bool, user_errors: tuple, run_ingest: Callable[[], pipeline.IngestSummary]) -> Run:
+    """Run an engine's ingest, its user errors (and ``user_errors``) as :class:`ForensicsError`,
+    and return the database opened read-only with the summary as ``last_ingest``."""
     try:
-        summary = pipeline.ingest([str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug,
-                                  exclude=exclude, add=add)
-    except (StoreError, pipeline.IngestError) as exc:
+        summary = run_ingest()
+    except (StoreError, pipeline.IngestError, *user_errors) as exc:
         raise ForensicsError(str(exc)) from exc
     except duckdb.IOException as exc:  # the database cannot be written (disk full, ...)
         if debug:
@@ -248,6 +273,55 @@ def ingest(
     run = Run(db)
     run.last_ingest = summary
     return run
+
+
+def ingest_ray(
+    paths: str | os.PathLike | list | None = None,
+    db: str | os.PathLike = "forensics.duckdb",
+    address: str | None = None,
+    parts: str | None = None,
+    views_only: bool = False,
+    shared: bool = False,
+    workers: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+    debug: bool = False,
+    exclude: list[str] | None = None,
+) -> Run:
+    """Ingest on the Ray cluster at ``address`` (``forensics ingest --engine ray``; None:
+    the cluster this process is connected to, else ``RAY_ADDRESS``, else the local one)
+    and return the database opened read-only, as :func:`ingest` does.
+
+    ``paths``: None, every alive node reads its own Ray session logs; else every node
+    reads those paths where they exist on it (``{node}`` in a path stands for the node's
+    name). ``shared`` (implied when a path is a URL such as ``s3://bucket/logs``): the paths
+    are one file list every node can read, split across the cluster's CPUs. ``parts``: a
+    folder or URL the nodes write their Parquet parts to (None: the rows come back through
+    the Ray object store); ``views_only``: leave the parts there and make ``db`` views over
+    them. ``workers``: parser processes per node (None: the node's CPUs). A node that dies
+    is named in ``run.last_ingest.messages`` with the files it did not load; everything
+    else is loaded, and a re-run loads the rest. Needs ``pip install 'forensics[ray]'``."""
+    from . import distributed
+
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    return _ingested(db, debug, (distributed.EngineError,), lambda: distributed.ingest(
+        [str(p) for p in paths] if paths else None, str(db), address=address, parts=parts, views_only=views_only,
+        shared=shared, workers=workers, progress=progress, debug=debug, exclude=exclude))
+
+
+def collect(out: str | os.PathLike, address: str | None = None) -> dict:
+    """Copy every alive node's Ray session logs into ``out/node_<node>/...`` through Ray's
+    state API (``forensics collect``), for a cluster about to be torn down; ``forensics
+    ingest OUT`` then names each file's node. Returns ``{"out", "nodes": {node: files},
+    "bytes", "messages"}``. Needs ``pip install 'forensics[ray]'``."""
+    from . import distributed
+
+    try:
+        return distributed.collect(str(out), address)
+    except distributed.EngineError as exc:
+        raise ForensicsError(str(exc)) from exc
+    except OSError as exc:
+        raise ForensicsError(f"cannot write {out}: {exc}") from exc
 
 
 def query(db: str | os.PathLike, sql: str, write: bool = False) -> pl.DataFrame:

@@ -151,20 +151,27 @@ INTERRUPTED_INGEST = "interrupted: the files loaded so far are committed; run th
 
 @_command()
 def ingest(
-    paths: List[str] = typer.Argument(..., metavar="PATHS", help="Folders, files or .tar/.tar.gz/.zip bundles."),
+    paths: List[str] = typer.Argument(None, metavar="PATHS", help="Folders, files or .tar/.tar.gz/.zip bundles (--engine ray: optional, URLs too)."),
     db: str = DB_OPTION,
     workers: int = typer.Option(0, "--workers", "-j", metavar="N", help="Parser processes (0 = number of cores)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the summary line."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     exclude: List[str] = typer.Option([], "--exclude", "-x", metavar="GLOB", help="Glob of files not to read (matched against the relative path and the name); repeatable."),
     add: bool = typer.Option(False, "--add", help="Ingest PATHS beside the runs of other PATHs the database holds (without it, that is refused: runs are kept apart)."),
+    engine: str = typer.Option("local", "--engine", metavar="ENGINE", help="local (this machine) or ray (every node of a Ray cluster parses its own files)."),
+    address: Optional[str] = typer.Option(None, "--address", metavar="ADDR", help="--engine ray: the cluster (default: RAY_ADDRESS, else the one started here)."),
+    parts: Optional[str] = typer.Option(None, "--parts", metavar="DIR|URL", help="--engine ray: nodes write Parquet parts there (a shared folder or s3://...) instead of the object store."),
+    views_only: bool = typer.Option(False, "--views-only", help="--engine ray --parts: leave the parts in place; the database is views over them."),
+    shared: bool = typer.Option(False, "--shared", help="--engine ray: PATHS are on a filesystem every node sees: split the file list across the cluster's CPUs (implied by a URL)."),
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
     show_progress = not quiet and not as_json and err.is_terminal
     with _interruptible():
         try:
             with _progress_bar(show_progress) as progress:
-                run = api.ingest(paths, db, workers=workers or None, progress=progress, debug=State.debug, exclude=exclude, add=add)
+                run = api.ingest(paths or None, db, workers=workers or None, progress=progress, debug=State.debug,
+                                 exclude=exclude, add=add, engine=engine, address=address, parts=parts,
+                                 views_only=views_only, shared=shared)
         except BaseException as exc:  # a user error (ForensicsError) goes on to _Group.invoke
             if State.interrupted or isinstance(exc, KeyboardInterrupt):
                 _fail(INTERRUPTED_INGEST, 130)
@@ -283,6 +290,24 @@ def _headline(run: api.Run) -> str | None:
 
 
 QUERY_FORMATS = ("table", "csv", "json", "ndjson")
+
+
+@_command()
+def collect(
+    out_dir: str = typer.Argument(..., metavar="OUT_DIR", help="Folder to copy the logs into (OUT_DIR/node_<node>/...)."),
+    address: Optional[str] = typer.Option(None, "--address", metavar="ADDR", help="The Ray cluster (default: RAY_ADDRESS, else the one started here)."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was copied as JSON."),
+) -> None:
+    """Copy every alive Ray node's session logs into OUT_DIR, for `forensics ingest OUT_DIR`."""
+    result = api.collect(out_dir, address=address)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    for m in result["messages"]:
+        err.print(f"[yellow]![/yellow] {_shown(m)}", markup=True, highlight=False)
+    files = sum(result["nodes"].values())
+    out.print(f"{files} file(s) from {len(result['nodes'])} node(s), {_human(result['bytes'])}, copied into {_shown(result['out'])}; "
+              f"next: forensics ingest {_shown(result['out'])}", highlight=False)
 
 
 @_command()

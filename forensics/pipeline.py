@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
+import pyarrow as pa
 
 from . import parsers
 from .parsers.base import DECOMPRESS_ERRORS, FileContext, JsonArrayRows, Stopped
@@ -795,6 +796,32 @@ def plan(store: Store, root: str, abs_path: str, rel: str, next_id: Callable[[],
     return task
 
 
+def excluded(rel: str, exclude: list[str] | None) -> bool:
+    """Whether ``rel`` (or its name) matches one of the ``exclude`` globs."""
+    return bool(exclude) and any(fnmatch.fnmatch(rel, pat) or fnmatch.fnmatch(rel.rsplit("/", 1)[-1], pat) for pat in exclude)
+
+
+def plan_files(store, root: str, files: Iterator[tuple[str, str]], known_files: dict, next_id: Callable[[], int],
+               summary: IngestSummary, exclude: list[str] | None, tasks: list[FileTask], skipped_rows: list[dict],
+               prefix: str = "") -> None:
+    """:func:`plan` each (absolute path, relative path) of ``files`` under ``root``: files to
+    parse go to ``tasks``, files not parsed (empty, binary, unreadable) to ``skipped_rows``.
+    ``store`` is only asked for :meth:`Store.last_line_offset` (a grown file whose last line
+    was cut): an engine that plans where no database is open passes an object that has it."""
+    for abs_path, rel in files:
+        if excluded(rel, exclude):
+            continue
+        summary.files_seen += 1
+        decision = plan(store, root, abs_path, rel, next_id, summary, known_files, prefix)
+        if decision is None:
+            summary.files_unchanged += 1
+        elif isinstance(decision, dict):
+            skipped_rows.append(decision)
+            summary.files_by_format[decision["format"]] = summary.files_by_format.get(decision["format"], 0) + 1
+        else:
+            tasks.append(decision)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -822,6 +849,32 @@ def make_tmp_root() -> str:
     return tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", dir=base)
 
 
+def open_writer(db: str, defer_views: bool = True) -> Store:
+    """The database opened as the ingest's single writer, with the ingest's DuckDB settings
+    (``defer_views``: the views are made at :meth:`Store.finish_schema`, while the parsers
+    start). A setting DuckDB refuses is an :class:`IngestError`."""
+    settings = [
+        # one writer thread: the parser processes need the cores, and DuckDB writes each
+        # insert as full row groups instead of one partial group per thread (measured on
+        # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
+        ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
+        # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
+        ("checkpoint_threshold", "FORENSICS_DB_CHECKPOINT", os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)),
+    ]
+    store = Store(db, defer_views=defer_views)
+    try:
+        set_memory_limit(store.con)
+        for key, env, value in settings:
+            apply_setting(store.con, key, env, value)
+    except SettingError as exc:
+        store.close()
+        raise IngestError(str(exc)) from None
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
 def ingest(
     paths: list[str],
     db: str = "forensics.duckdb",
@@ -845,25 +898,7 @@ def ingest(
     db_existed = os.path.exists(db)
     summary = IngestSummary(db=str(db))
     summary.messages.extend(parsers.problems())  # format packages left out, and why
-    settings = [
-        # one writer thread: the parser processes need the cores, and DuckDB writes each
-        # insert as full row groups instead of one partial group per thread (measured on
-        # 105 MB of logs: 1.5 s instead of 2.5-4.4 s, and a database half the size)
-        ("threads", "FORENSICS_DB_THREADS", _int_setting("FORENSICS_DB_THREADS", DB_THREADS)),
-        # checkpoint (compress the WAL into the table) every 256 MB of WAL, not DuckDB's 16 MB
-        ("checkpoint_threshold", "FORENSICS_DB_CHECKPOINT", os.environ.get("FORENSICS_DB_CHECKPOINT", DB_CHECKPOINT)),
-    ]
-    store = Store(db, defer_views=True)  # views: made while the parsers start (finish_schema)
-    try:
-        set_memory_limit(store.con)
-        for key, env, value in settings:
-            apply_setting(store.con, key, env, value)
-    except SettingError as exc:
-        store.close()
-        raise IngestError(str(exc)) from None
-    except BaseException:
-        store.close()
-        raise
+    store = open_writer(db)
     workers = workers or os.cpu_count() or 1
     db_abs = os.path.abspath(db)
     tmp_root = make_tmp_root()
@@ -928,16 +963,7 @@ def ingest(
         for root, files in found.items():
             prefix = store.path_prefix(root) or ""
             known_files = store.known_files(root)
-            for abs_path, rel in files:
-                summary.files_seen += 1
-                decision = plan(store, root, abs_path, rel, next_id, summary, known_files, prefix)
-                if decision is None:
-                    summary.files_unchanged += 1
-                elif isinstance(decision, dict):
-                    skipped_rows.append(decision)
-                    summary.files_by_format[decision["format"]] = summary.files_by_format.get(decision["format"], 0) + 1
-                else:
-                    tasks.append(decision)
+            plan_files(store, root, files, known_files, next_id, summary, None, tasks, skipped_rows, prefix)
         empties = sum(1 for row in skipped_rows if row["format"] == "empty")
         if empties:  # common (Ray writes many empty .err files): one line for all of them
             summary.messages.append(f"{empties} empty file(s) skipped (status 'skipped', message 'empty file' in `files`)")
@@ -978,44 +1004,7 @@ def ingest(
         def finish(job: JobResult) -> None:
             nonlocal done
             done += sum(res.task.size for res in job.results)
-            if job.loaded is not None:  # a direct file, committed by its thread
-                summary.add(job.loaded)
-                if progress:
-                    tick(job.results[-1].task.rel, force=True)
-                return
-            batch.ensure()
-            file_rows, problem_rows = [], []
-            for res in job.results:
-                row, probs = _load(store, res, summary, debug)
-                file_rows.append(row)
-                problem_rows.extend(probs)
-            sizes = {p: os.path.getsize(p) for paths_ in job.parts.values() for p in paths_}
-            pieces = _pieces(job.parts, sizes, PIECE_BYTES)
-            if len(pieces) > 1:  # a big file: its rows go in several transactions
-                store.mark_loading(job.results[0].task.file_id, job.results[0].task.rel)
-            counts: dict[str, int] = {}
-            for i, piece in enumerate(pieces):
-                if i:
-                    batch.close()
-                    batch.ensure()
-                for k, v in store.insert_parts(piece).items():
-                    counts[k] = counts.get(k, 0) + v
-            if len(pieces) > 1:
-                store.finish_loading(job.results[0].task.file_id)
-            store.insert_rows(PROBLEMS, problem_rows)  # with the last rows: the file is whole
-            store.insert_rows(FILES, file_rows)
-            counts[PROBLEMS.name] = counts.get(PROBLEMS.name, 0) + len(problem_rows)
-            # a changed or grown file's row is replaced, not added
-            counts[FILES.name] = counts.get(FILES.name, 0) + sum(1 for res in job.results if res.task.is_new)
-            for k, v in counts.items():
-                summary.count_rows(k, v)
-            batch.add(len(job.results), sum(counts.values()), sum(sizes[p] for paths_ in pieces[-1].values() for p in paths_))
-            for paths_ in job.parts.values():
-                for p in paths_:
-                    try:
-                        os.unlink(p)
-                    except OSError:
-                        pass
+            load_job(store, batch, job, summary, debug)
             if progress:
                 tick(job.results[-1].task.rel, force=True)
 
@@ -1082,20 +1071,70 @@ def _refusal(db: str, held: dict[str, tuple[int, str, str | None]], new_roots: l
             "(then `diagnose`/`report` --run picks one)")
 
 
+def part_size(part) -> int:
+    """Bytes of one part: an Arrow IPC file spooled here (a path), or what another engine
+    hands over: an Arrow table in memory, or an object with ``nbytes`` and ``read()`` that
+    reads its table when it is loaded (a Parquet part elsewhere)."""
+    return os.path.getsize(part) if isinstance(part, str) else part.nbytes
+
+
+def load_job(store: Store, batch: "_Batch", job: JobResult, summary: IngestSummary, debug: bool = False) -> None:
+    """Load one parsed job into ``store`` (the single writer), in ``batch``'s open
+    transaction; a big file's rows in several (see :meth:`Store.mark_loading`). Its parts
+    are spooled Arrow IPC files (removed once loaded) or Arrow tables."""
+    if job.loaded is not None:  # a direct file, committed by its thread
+        summary.add(job.loaded)
+        return
+    batch.ensure()
+    file_rows, problem_rows = [], []
+    for res in job.results:
+        row, probs = _load(store, res, summary, debug)
+        file_rows.append(row)
+        problem_rows.extend(probs)
+    pieces = _pieces(job.parts, PIECE_BYTES)
+    if len(pieces) > 1:  # a big file: its rows go in several transactions
+        store.mark_loading(job.results[0].task.file_id, job.results[0].task.rel)
+    counts: dict[str, int] = {}
+    for i, piece in enumerate(pieces):
+        if i:
+            batch.close()
+            batch.ensure()
+        for k, v in store.insert_parts(piece).items():
+            counts[k] = counts.get(k, 0) + v
+    if len(pieces) > 1:
+        store.finish_loading(job.results[0].task.file_id)
+    store.insert_rows(PROBLEMS, problem_rows)  # with the last rows: the file is whole
+    store.insert_rows(FILES, file_rows)
+    counts[PROBLEMS.name] = counts.get(PROBLEMS.name, 0) + len(problem_rows)
+    # a changed or grown file's row is replaced, not added
+    counts[FILES.name] = counts.get(FILES.name, 0) + sum(1 for res in job.results if res.task.is_new)
+    for k, v in counts.items():
+        summary.count_rows(k, v)
+    batch.add(len(job.results), sum(counts.values()), sum(part_size(p) for paths_ in pieces[-1].values() for p in paths_))
+    for paths_ in job.parts.values():
+        for p in paths_:
+            if isinstance(p, str):
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+
+
 PIECE_BYTES = 64 << 20  # spooled rows per transaction: DuckDB holds them in memory until the commit
 
 
-def _pieces(parts: dict[str, list[str]], sizes: dict[str, int], limit: int) -> list[dict[str, list[str]]]:
+def _pieces(parts: dict[str, list], limit: int) -> list[dict[str, list]]:
     """``parts`` cut into groups of about ``limit`` bytes of spooled rows (at least one)."""
-    pieces: list[dict[str, list[str]]] = [{}]
+    pieces: list[dict[str, list]] = [{}]
     held = 0
     for name, paths in parts.items():
         for p in paths:
-            if held and held + sizes[p] > limit:
+            size = part_size(p)
+            if held and held + size > limit:
                 pieces.append({})
                 held = 0
             pieces[-1].setdefault(name, []).append(p)
-            held += sizes[p]
+            held += size
     return pieces
 
 
@@ -1274,6 +1313,20 @@ def _worker_init(ingest_alive, meter=None) -> None:
 def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) -> tuple[dict, list[dict]]:
     """Prepare one parsed file's ``files`` row and problems (the caller inserts them with
     the job's parts, in the open transaction), after removing its old rows."""
+    task = res.task
+    prev = None
+    if task.replace_from_line is not None:
+        prev = store.con.execute("SELECT unparsed_lines, parse_errors FROM files WHERE file_id = ?", [task.file_id]).fetchone()
+    row, problems = file_row(res, summary, debug, prev)
+    if not task.is_new:
+        store.delete_file_rows(task.file_id, task.replace_from_line)
+    return row, problems
+
+
+def file_row(res: FileResult, summary: IngestSummary, debug: bool, prev: tuple | None = None) -> tuple[dict, list[dict]]:
+    """One parsed file's ``files`` row and problems, counted in ``summary``; ``prev``: the
+    (unparsed_lines, parse_errors) of the rows a grown file keeps. Needs no database (an
+    engine that writes parts where the data is builds them there)."""
     task, d = res.task, res.task.detected
     lines_total = res.lines + (task.start_line - 1)
     status = "ok"
@@ -1303,13 +1356,9 @@ def _load(store: Store, res: FileResult, summary: IngestSummary, debug: bool) ->
         "sha256": res.sha256, "mtime": _utc(task.mtime), "node": d.node, "pid": d.pid, "rank": d.rank,
         "actor": d.actor, "status": status, "message": message, "ingested_at": _utc(time.time()),
     }
-    if task.replace_from_line is not None:
-        prev = store.con.execute("SELECT unparsed_lines, parse_errors FROM files WHERE file_id = ?", [task.file_id]).fetchone()
-        if prev:
-            row["unparsed_lines"] += int(prev[0] or 0)
-            row["parse_errors"] += int(prev[1] or 0)
-    if not task.is_new:
-        store.delete_file_rows(task.file_id, task.replace_from_line)
+    if prev:
+        row["unparsed_lines"] += int(prev[0] or 0)
+        row["parse_errors"] += int(prev[1] or 0)
     summary.files_loaded += 1
     summary.bytes_read += (task.size if res.bytes_read is None else res.bytes_read) - task.start_offset
     summary.unparsed_lines += res.unparsed

@@ -40,7 +40,8 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
-from .store import REPORT_DB_MEMORY, NoSuchRun, diagnosable_runs, pick_run, restrict_to_run, restricted_run, set_memory_limit
+from .store import (REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, pick_run, restrict_to_run,
+                    restricted_run, set_memory_limit)
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
@@ -913,6 +914,7 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
     con = duckdb.connect(str(db), read_only=True)
     try:
+        attach_parts(con)  # a database of views over parts on object storage
         con.execute("SET enable_progress_bar = false").fetchall()
         set_memory_limit(con, REPORT_DB_MEMORY)  # DuckDB would cache up to 80% of RAM
         runs = diagnosable_runs(con)

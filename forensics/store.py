@@ -43,6 +43,36 @@ DB_MEMORY = "256MB"  # ingest and diagnosis
 REPORT_DB_MEMORY = "512MB"
 
 
+PARTS_KEY = "parts_url"  # meta: where the parts of a views-only database are (ingest --engine ray --views-only)
+
+
+def attach_parts(con: duckdb.DuckDBPyConnection) -> str | None:
+    """Make the parts of a views-only database on object storage readable on ``con``:
+    DuckDB reads them through an fsspec filesystem (s3fs for ``s3://``) registered on the
+    connection. Nothing for other databases, or parts on a local or shared folder. Returns
+    where the parts are (None: not a views-only database). A missing fsspec is a
+    :class:`StoreError` saying what to install."""
+    try:
+        row = con.execute("SELECT value FROM meta WHERE key = ?", [PARTS_KEY]).fetchone()
+    except duckdb.Error:  # no meta table (an empty or foreign database)
+        return None
+    if not row:
+        return None
+    if "://" not in row[0] or row[0].startswith("file://"):
+        return row[0]
+    scheme = row[0].split("://", 1)[0]
+    try:
+        import fsspec
+
+        fs = fsspec.filesystem(scheme)
+    except (ImportError, ValueError) as exc:
+        raise StoreError(f"this database reads its rows from {row[0]}: that needs fsspec with {scheme} support "
+                         f"(pip install 'forensics[ray]'): {exc}") from None
+    if not con.filesystem_is_registered(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]):
+        con.register_filesystem(fs)
+    return row[0]
+
+
 class SettingError(ValueError):
     """An environment setting that DuckDB does not take."""
 
@@ -343,6 +373,14 @@ class Store:
         self.read_only = read_only
         self._pending_fingerprint: str | None = None
         quiet_progress_bar(self.con)
+        try:
+            parts = attach_parts(self.con)
+            if parts and not read_only:
+                raise StoreError(f"{self.path} is made of views over the parts at {parts}: ingest into it with "
+                                 f"`--engine ray --parts {parts} --views-only`, or give another --db")
+        except StoreError:
+            self.con.close()
+            raise
         if not read_only:
             self.ensure_schema(defer_views)
 
@@ -387,13 +425,17 @@ class Store:
         sql_modules.create(self.con)
 
     # -- files ----------------------------------------------------------------
-    def known_files(self, root: str) -> dict[str, KnownFile]:
+    def known_files(self, root: str, node: str | None = None) -> dict[str, KnownFile]:
         """Every file already ingested from ``root``, by path relative to it (without the
-        PATH's prefix, :meth:`path_prefix`)."""
+        PATH's prefix, :meth:`path_prefix`); ``node``: read on that node, by the Ray engine
+        (one path is a different file on each node)."""
         cut = len(self.path_prefix(root) or "")
         cut += 1 if cut else 0
+        where, params = "root = ?", [root]
+        if node is not None:
+            where, params = "root = ? AND node = ?", [root, node]
         rows = self.con.execute(
-            "SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE root = ?", [root]
+            f"SELECT path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files WHERE {where}", params
         ).fetchall()
         return {r[0][cut:]: KnownFile(*r[1:]) for r in rows}
 
@@ -562,8 +604,9 @@ class Store:
         return sorted(notes.values())
 
     def insert_parts(self, parts: dict[str, list[str]], con: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:
-        """Insert spooled Arrow IPC parts (on ``con``, a cursor of this store, else its
-        connection); return rows added per table."""
+        """Insert spooled Arrow IPC parts, Arrow tables, or parts with a ``read()`` that
+        gives their table (on ``con``, a cursor of this store, else its connection);
+        return rows added per table."""
         con = con or self.con
         counts: dict[str, int] = {}
         by_name = {t.name: t for t in all_tables()}
@@ -571,8 +614,13 @@ class Store:
             if name not in by_name:
                 raise KeyError(f"parser produced rows for unknown table {name!r}")
             for p in paths:
-                with pa.memory_map(p) as source:
-                    arrow = ipc.open_file(source).read_all()
+                if isinstance(p, pa.Table):  # rows another engine handed over in memory
+                    arrow = p
+                elif not isinstance(p, (str, os.PathLike)):  # a part read only now (pipeline.part_size)
+                    arrow = p.read()
+                else:
+                    with pa.memory_map(p) as source:
+                        arrow = ipc.open_file(source).read_all()
                 con.register("_part", arrow)
                 con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
                 con.unregister("_part")
