@@ -428,12 +428,44 @@ class _NodeState:
 
 
 def _known_by_node(store: Store) -> dict[str, dict[str, dict[str, KnownFile]]]:
+    """The files already ingested, by node, root and path relative to the root (without
+    the PATH's prefix a database of several PATHs stores, :meth:`Store.path_prefix`)."""
     rows = store.con.execute(
         "SELECT node, root, path, file_id, bytes, sha256, lines, ends_with_newline, kind, format FROM files").fetchall()
+    cuts: dict[str, int] = {}
     out: dict[str, dict[str, dict[str, KnownFile]]] = {}
     for node, root, path, *rest in rows:
-        out.setdefault(node or "", {}).setdefault(root, {})[path] = KnownFile(*rest)
+        if root not in cuts:
+            prefix = store.path_prefix(root) or ""
+            cuts[root] = len(prefix) + 1 if prefix else 0
+        out.setdefault(node or "", {}).setdefault(root, {})[path[cuts[root]:]] = KnownFile(*rest)
     return out
+
+
+def _record_runs(store: Store) -> None:
+    """The runs of what was loaded, as the local engine records them: one per PATH (root)
+    and the runs inside it; with several PATHs every stored path starts with its PATH's name."""
+    roots = [r for (r,) in store.con.execute("SELECT DISTINCT root FROM files ORDER BY 1").fetchall()]
+    store.begin()
+    try:
+        held = store.path_runs()
+        for root in roots:
+            if root not in held:
+                store.add_path_run(root)
+        if len(store.path_runs()) > 1:
+            store.ensure_prefixes()
+            # rows the nodes wrote now for a PATH that had its prefix already (they plan
+            # without the database, so without it)
+            for root, (_, _, prefix) in store.path_runs().items():
+                if prefix:
+                    store.con.execute("UPDATE files SET path = ? || '/' || path WHERE root = ? AND NOT starts_with(path, ?)",
+                                      [prefix, root, prefix + "/"])
+        for root in roots:
+            store.assign_runs(root)
+        store.commit()
+    except BaseException:
+        store.rollback()
+        raise
 
 
 def _last_line_offsets(store: Store) -> dict[int, int]:
@@ -492,6 +524,7 @@ def ingest(paths: list[str] | None, db: str, address: str | None = None, parts: 
             batch.abort()
             raise
         report_nodes(states, paths, summary, shared)
+        _record_runs(store)
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()
     finally:
