@@ -68,7 +68,9 @@ def build(folder: Path, corpus: Path, size_mb: int) -> int:
     total, k = 0, 0
     target = size_mb * 1024 * 1024
     while total < target:
-        replica = folder / f"run{k:04d}"
+        # node_NNNN: the copies are parts of one run (forensics.runs), the case this
+        # benchmark is about: one big run, one diagnosis headline
+        replica = folder / f"node_{k:04d}"
         for src, data in sources:
             rel = src.relative_to(corpus)
             out = replica / rel
@@ -89,7 +91,10 @@ def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProces
     """Wall time and peak RSS (sum over the process tree, sampled every 50 ms); the peak
     of the largest single process goes to LARGEST[0]."""
     t0 = time.perf_counter()
-    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # output to files, not pipes: a pipe nobody reads while the command runs fills at
+    # 64 KB and blocks it (the --json of a big ingest is longer)
+    out_f, err_f = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    proc = psutil.Popen(cmd, stdout=out_f, stderr=err_f)
     peak = largest = 0
     while proc.poll() is None:
         try:
@@ -101,23 +106,30 @@ def run_measured(cmd: list[str]) -> tuple[float, int, subprocess.CompletedProces
             pass
         time.sleep(0.05)
     wall = time.perf_counter() - t0
-    out, err = proc.communicate()
+    proc.wait()
+    out_f.seek(0)
+    err_f.seek(0)
+    out, err = out_f.read(), err_f.read()
     LARGEST[0] = largest
     return wall, peak, subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def smaller_run(folder: Path, fraction: float, workers: int) -> None:
-    """Ingest the first ``fraction`` of the copies (runNNNN folders) into a database of
-    its own and print its MB/s and peak RSS: next to the full run, it shows whether
-    memory grows with the folder."""
+    """Ingest the first ``fraction`` of the copies (node_NNNN folders), hard-linked into a
+    folder of their own (one run, as the whole), into a database of its own and print its
+    MB/s and peak RSS: next to the full run, it shows whether memory grows with the folder."""
     runs = sorted(p for p in folder.iterdir() if p.is_dir())
     part = runs[: max(1, round(len(runs) * fraction))]
     nbytes = sum(f.stat().st_size for r in part for f in r.rglob("*") if f.is_file())
+    linked = folder.with_name(folder.name + f"-part{len(part)}")
+    shutil.rmtree(linked, ignore_errors=True)
+    for r in part:
+        shutil.copytree(r, linked / r.name, copy_function=os.link)
     db = folder.with_name(folder.name + f"-part{len(part)}.duckdb")
     for p in (db, Path(str(db) + ".wal")):
         if p.exists():
             p.unlink()
-    cmd = [sys.executable, "-m", "forensics", "ingest", *map(str, part), "--db", str(db), "--json"]
+    cmd = [sys.executable, "-m", "forensics", "ingest", str(linked), "--db", str(db), "--json"]
     if workers:
         cmd += ["--workers", str(workers)]
     try:
@@ -130,6 +142,7 @@ def smaller_run(folder: Path, fraction: float, workers: int) -> None:
               f"{nbytes / 1e6 / wall:.1f} MB/s; ingest itself {load_s:.2f} s, {nbytes / 1e6 / load_s:.1f} MB/s; "
               f"peak RSS {peak / 2**20:.0f} MiB (process tree), largest process {LARGEST[0] / 2**20:.0f} MiB")
     finally:
+        shutil.rmtree(linked, ignore_errors=True)
         for p in (db, Path(str(db) + ".wal")):
             if p.exists():
                 p.unlink()
@@ -189,7 +202,8 @@ def main() -> None:
         subprocess.run(grep, stdout=subprocess.DEVNULL, check=False)
         g = time.perf_counter() - t0
         print(f"grep -rcE floor: {g:.2f} s, {nbytes / 1e6 / g:.1f} MB/s; forensics/grep time ratio {wall / g:.1f}x")
-        print(f"database size {db.stat().st_size / 1e6:.0f} MB")
+        print(f"database size {db.stat().st_size / 1e6:.0f} MB; runs found: {len(report.get('runs') or [])}; "
+              f"headline: {report.get('diagnosis')}")
         if 0 < args.fraction < 1:
             smaller_run(folder, args.fraction, args.workers)
     finally:
