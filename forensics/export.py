@@ -42,6 +42,23 @@ def base_tables(con: duckdb.DuckDBPyConnection) -> list[str]:
     return [r[0] for r in rows]
 
 
+def _hidden_columns(con: duckdb.DuckDBPyConnection, table: str) -> list[str]:
+    """The hidden columns behind a table's stored-once columns (``forensics.store.ddl``):
+    storage, not data; the Parquet file carries the column under its own name, whole."""
+    from .store import all_tables, stored_name
+
+    declared = {t.name: t for t in all_tables()}.get(table)
+    if declared is None:
+        return []
+    hidden = {stored_name(c) for c in declared.columns if c.default}
+    if not hidden:
+        return []
+    have = {r[0] for r in con.execute(
+        "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main' "
+        "AND database_name = current_database()", [table]).fetchall()}
+    return sorted(hidden & have)
+
+
 def _sql_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
@@ -71,8 +88,10 @@ def parquet(con: duckdb.DuckDBPyConnection, out_dir: str | os.PathLike, tables: 
             raise KeyError(f"no table {name!r} in the database (tables: {', '.join(sorted(known))})")
         final = out / f"{name}.parquet"
         tmp = out / f".{name}.parquet.tmp"
+        hidden = _hidden_columns(con, name)
+        select = "*" + (f" EXCLUDE ({', '.join(map(_ident, hidden))})" if hidden else "")
         con.execute(
-            f"COPY (SELECT * FROM {qualified}) TO {_sql_string(str(tmp))} (FORMAT parquet, COMPRESSION zstd)"
+            f"COPY (SELECT {select} FROM {qualified}) TO {_sql_string(str(tmp))} (FORMAT parquet, COMPRESSION zstd)"
         )
         os.replace(tmp, final)
         counts[name] = int(con.execute(f"SELECT count(*) FROM {qualified}").fetchall()[0][0])

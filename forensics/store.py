@@ -202,12 +202,37 @@ COLUMN_COMPRESSION = {
 
 
 def ddl(table: Table) -> str:
-    def column(c) -> str:
+    """The table's CREATE statement. A column with a ``default`` (stored once, see
+    :class:`parsers.base.Column`) is a virtual column over a hidden ``_<name>`` column,
+    which comes last and holds the column's own value only where it differs."""
+    def column(c, name: str) -> str:
         method = COLUMN_COMPRESSION.get((table.name, c.name))
-        return f'"{c.name}" {_duck_type(c.type)}' + (f" USING COMPRESSION {method}" if method else "")
+        return f'"{name}" {_duck_type(c.type)}' + (f" USING COMPRESSION {method}" if method else "")
 
-    cols = ", ".join(column(c) for c in table.columns)
-    return f'CREATE TABLE IF NOT EXISTS "{table.name}" ({cols})'
+    cols = [f'"{c.name}" {_duck_type(c.type)} GENERATED ALWAYS AS (coalesce("{stored_name(c)}", {c.default})) VIRTUAL'
+            if c.default else column(c, c.name) for c in table.columns]
+    cols += [column(c, stored_name(c)) for c in table.columns if c.default]
+    return f'CREATE TABLE IF NOT EXISTS "{table.name}" ({", ".join(cols)})'
+
+
+def stored_name(c) -> str:
+    """The hidden column that holds a stored-once column's own values (see :func:`ddl`)."""
+    return f"_{c.name}"
+
+
+def insert_sql(table: Table, source: str, stores_once: bool = True) -> str:
+    """``INSERT`` of the rows of ``source`` (a relation with the table's declared columns)
+    into ``table``: a stored-once column's value goes to its hidden column only where it
+    differs from the column's default. ``stores_once`` False: a database made before
+    those columns existed, which keeps every value in the column itself."""
+    once = [c for c in table.columns if c.default] if stores_once else []
+    if not once:
+        cols = ", ".join(f'"{c.name}"' for c in table.columns)
+        return f'INSERT INTO "{table.name}" SELECT {cols} FROM {source}'
+    plain = [c for c in table.columns if not c.default]
+    target = [f'"{c.name}"' for c in plain] + [f'"{stored_name(c)}"' for c in once]
+    values = [f'"{c.name}"' for c in plain] + [f'CASE WHEN "{c.name}" = ({c.default}) THEN NULL ELSE "{c.name}" END' for c in once]
+    return f'INSERT INTO "{table.name}" ({", ".join(target)}) SELECT {", ".join(values)} FROM {source}'
 
 
 def _schema_fingerprint() -> str:
@@ -372,6 +397,7 @@ class Store:
             raise StoreError(f"cannot open database {self.path}: {exc}") from None
         self.read_only = read_only
         self._pending_fingerprint: str | None = None
+        self._stores_once: dict[str, bool] = {}  # per table: does it have the hidden columns (insert_sql)
         quiet_progress_bar(self.con)
         try:
             parts = attach_parts(self.con)
@@ -622,17 +648,29 @@ class Store:
                     with pa.memory_map(p) as source:
                         arrow = ipc.open_file(source).read_all()
                 con.register("_part", arrow)
-                con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
+                con.execute(self._insert_sql(by_name[name], "_part"))
                 con.unregister("_part")
                 counts[name] = counts.get(name, 0) + arrow.num_rows
         return counts
+
+    def _insert_sql(self, table: Table, source: str) -> str:
+        if not any(c.default for c in table.columns):
+            return insert_sql(table, source)
+        once = self._stores_once.get(table.name)
+        if once is None:  # a database made before stored-once columns keeps them whole
+            hidden = {stored_name(c) for c in table.columns if c.default}
+            have = {r[0] for r in self.con.execute(
+                "SELECT column_name FROM duckdb_columns() WHERE table_name = ? AND schema_name = 'main' "
+                "AND database_name = current_database()", [table.name]).fetchall()}
+            once = self._stores_once[table.name] = hidden <= have
+        return insert_sql(table, source, once)
 
     def insert_rows(self, table: Table, rows: list[dict], con: duckdb.DuckDBPyConnection | None = None) -> None:
         if not rows:
             return
         con = con or self.con
         con.register("_rows", pa.Table.from_pylist(rows, schema=table.arrow_schema))
-        con.execute(f'INSERT INTO "{table.name}" SELECT * FROM _rows')
+        con.execute(self._insert_sql(table, "_rows"))
         con.unregister("_rows")
 
     def insert_json_rows(self, handed: JsonArrayRows, con: duckdb.DuckDBPyConnection) -> int:
@@ -643,11 +681,9 @@ class Store:
         table = {t.name: t for t in all_tables()}.get(handed.table)
         if table is None:
             raise KeyError(f"parser produced rows for unknown table {handed.table!r}")
-        cols = ", ".join(f'"{c.name}"' for c in table.columns)
         try:
-            (n,) = con.execute(
-                f'INSERT INTO "{table.name}" SELECT {cols} FROM ({handed.select}) '
-                f"WHERE CASE WHEN ok THEN true ELSE error('{REFUSED_MARK}') END").fetchone()
+            (n,) = con.execute(self._insert_sql(
+                table, f"({handed.select}) WHERE CASE WHEN ok THEN true ELSE error('{REFUSED_MARK}') END")).fetchone()
         except duckdb.InterruptException:
             raise  # the ingest is being stopped: not a reason to decode the file instead
         except duckdb.Error as exc:

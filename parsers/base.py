@@ -51,6 +51,13 @@ class Column:
     name: str
     type: pa.DataType
     doc: str
+    # Store once: a DuckDB expression over the row's other columns that gives this
+    # column's usual value (``"text"`` for a message left as the line was). The store
+    # keeps the column's own value only where it differs (in a hidden ``_<name>``
+    # column) and shows ``coalesce(_<name>, default)`` under the column's name, so
+    # queries see the same values. A row's own null cannot be kept apart from "as the
+    # default": such a column is never null where its default is not.
+    default: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +113,8 @@ class Table:
         return pa.Table.from_arrays(arrays, schema=self.arrow_schema)
 
 
-def col(name: str, type_: pa.DataType, doc: str) -> Column:
-    return Column(name, type_, doc)
+def col(name: str, type_: pa.DataType, doc: str, default: str | None = None) -> Column:
+    return Column(name, type_, doc, default)
 
 
 # Provenance columns shared by every row-level table.

@@ -49,7 +49,7 @@ LINES = Table(
         col("local_rank", pa.int32(), "Local rank from a torchrun `[defaultN]:` tee prefix."),
         col("repeat", pa.int32(), "Ray log deduplication: the line stands for this many (`[repeated Nx across cluster]`)."),
         col("event_line", pa.int64(), "For lines that belong to a multi-line event (a Python traceback), the line_no of its first line; else null."),
-        col("message", pa.string(), "The line without recognised prefixes/headers and ANSI escapes; for lines with `\\r` (progress bars) the last non-empty `\\r` segment."),
+        col("message", pa.string(), "The line without recognised prefixes/headers and ANSI escapes; for lines with `\\r` (progress bars) the last non-empty `\\r` segment. Never null.", default='"text"'),
         col("text", pa.string(), "The raw line as decoded (UTF-8; undecodable bytes as U+FFFD), without its `\\n`."),
     ),
 )
@@ -357,12 +357,26 @@ def _split_many(files: list[tuple[str, FileContext]]) -> pl.DataFrame:
 
 def _line_stamped(frame: pl.DataFrame, stamps: pl.DataFrame) -> pl.DataFrame:
     """Rows a line-format module derived from lines take the line's final ``ts`` (year
-    inferred, inherited), which is only known once the whole chunk is annotated."""
+    inferred, inherited), which is only known once the whole chunk is annotated.
+
+    ``stamps`` holds the chunk's lines in frame order, each file's lines together and
+    numbered on without gaps, so a row's line is found by position (the file's first
+    row + how far its line_no lies past the file's first line), not by a join of every
+    row on (file_id, line_no). A line_no outside its file's lines (or null) gets null,
+    as the left join it replaces gave."""
     if "ts" not in frame.columns or "line_no" not in frame.columns or "file_id" not in frame.columns:
         return frame
-    return frame.join(stamps, on=["file_id", "line_no"], how="left", maintain_order="left").with_columns(
-        pl.col("_line_ts").alias("ts")
-    ).drop("_line_ts")
+    starts = stamps.with_row_index("_pos").group_by("file_id").agg(
+        pl.col("_pos").first().cast(pl.Int64).alias("_pos"), pl.col("line_no").first().alias("_first"), pl.len().alias("_n"),
+        ((pl.col("_pos").last() - pl.col("_pos").first() + 1 == pl.len())
+         & (pl.col("line_no").last() - pl.col("line_no").first() + 1 == pl.len())).alias("_dense"))
+    if not starts.get_column("_dense").all():  # not the layout above: the join
+        return frame.join(stamps, on=["file_id", "line_no"], how="left", maintain_order="left").with_columns(
+            pl.col("_line_ts").alias("ts")).drop("_line_ts")
+    located = frame.select("file_id", "line_no").join(starts, on="file_id", how="left", maintain_order="left")
+    past = pl.col("line_no") - pl.col("_first")
+    idx = located.select(pl.when((past >= 0) & (past < pl.col("_n"))).then(pl.col("_pos") + past)).to_series()
+    return frame.with_columns(stamps.get_column("_line_ts").gather(idx).alias("ts"))
 
 
 def _finish_timestamps(df: pl.DataFrame, cctx: ChunkContext) -> pl.DataFrame:

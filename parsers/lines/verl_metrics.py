@@ -19,6 +19,12 @@ import pyarrow as pa
 
 from ..base import FILE_ID, LINE_NO, FileContext, Format, LineFormat, Sniff, Table, col
 
+# How a metric's value is usually printed: as Python's repr of a float, which is what
+# DuckDB writes for a DOUBLE too (`0.25`, `1e-05`, `12.0`, `nan`, `inf`; 93% of the
+# corpus' metric values). Where the printed text is exactly this, the store does not
+# keep it twice (parsers.base.Column); `12` printed for 12.0 is kept.
+VALUE_AS_TEXT = 'CAST("value" AS VARCHAR)'
+
 METRICS = Table(
     "metrics",
     "One row per (step, metric) reported by the run: verl console/JSONL metrics and "
@@ -30,7 +36,8 @@ METRICS = Table(
         col("step", pa.int64(), "Training step (null for engine statistics that are not per step)."),
         col("key", pa.string(), "Metric name as logged (`actor/grad_norm`, `timing_s/gen`, `vllm/gen_throughput`)."),
         col("value", pa.float64(), "Numeric value (NaN and +/-Inf kept); null when the value is not numeric."),
-        col("value_text", pa.string(), "The value as printed."),
+        col("value_text", pa.string(), "The value as printed (usually the number as DuckDB and Python print a float).",
+            default=VALUE_AS_TEXT),
         col("source", pa.string(), "`console`, `jsonl`, `vllm`, `sglang`."),
         col("rank", pa.int32(), "Rank that logged it, when known."),
         col("pid", pa.int64(), "Process that logged it, when known."),
