@@ -446,8 +446,7 @@ def _record_runs(store: Store) -> None:
     """The runs of what was loaded, as the local engine records them: one per PATH (root)
     and the runs inside it; with several PATHs every stored path starts with its PATH's name."""
     roots = [r for (r,) in store.con.execute("SELECT DISTINCT root FROM files ORDER BY 1").fetchall()]
-    store.begin()
-    try:
+    with store.transaction():
         held = store.path_runs()
         for root in roots:
             if root not in held:
@@ -462,10 +461,6 @@ def _record_runs(store: Store) -> None:
                                       [prefix, root, prefix + "/"])
         for root in roots:
             store.assign_runs(root)
-        store.commit()
-    except BaseException:
-        store.rollback()
-        raise
 
 
 def _last_line_offsets(store: Store) -> dict[int, int]:

@@ -949,17 +949,12 @@ def ingest(
         if not found:
             said = [m for m in summary.messages if m.endswith(("no such file or folder", "no file to read in it", "(every file excluded)"))]
             raise NothingToIngest("nothing to ingest: " + "; ".join(said))
-        store.begin()
-        try:
+        with store.transaction():
             for root in found:
                 if root not in held:
                     store.add_path_run(root)
             if len(store.path_runs()) > 1:
                 store.ensure_prefixes()
-            store.commit()
-        except BaseException:
-            store.rollback()
-            raise
         for root, files in found.items():
             prefix = store.path_prefix(root) or ""
             known_files = store.known_files(root)
@@ -968,18 +963,12 @@ def ingest(
         if empties:  # common (Ray writes many empty .err files): one line for all of them
             summary.messages.append(f"{empties} empty file(s) skipped (status 'skipped', message 'empty file' in `files`)")
         if skipped_rows:
-            store.begin()
-            try:
+            with store.transaction():
                 for row in skipped_rows:
                     if row["file_id"] < first_new_id:  # known, now empty/binary/unreadable: its old rows go
                         store.delete_file_rows(row["file_id"], None)
                     store.record_skipped(row)
-                store.commit()
-                new_rows = sum(1 for row in skipped_rows if row["file_id"] >= first_new_id)
-                summary.count_rows(FILES.name, new_rows)
-            except BaseException:
-                store.rollback()
-                raise
+            summary.count_rows(FILES.name, sum(1 for row in skipped_rows if row["file_id"] >= first_new_id))
         spool = tempfile.mkdtemp(prefix="spool-", dir=tmp_root)
         batch = _Batch(store)
         total = sum(t.size for t in tasks)  # progress is in bytes: one big file moves the bar too
@@ -1020,14 +1009,9 @@ def ingest(
         except BaseException:
             batch.abort()
             raise
-        store.begin()
-        try:
+        with store.transaction():
             for root in found:
                 store.assign_runs(root)
-            store.commit()
-        except BaseException:
-            store.rollback()
-            raise
         summary.runs = store.run_names(list(found))
         store.fix_yearless_timestamps()
         summary.rows_total = store.table_counts()

@@ -14,6 +14,8 @@ of a file whose note was left by an interrupted one (:meth:`Store.drop_unfinishe
 """
 from __future__ import annotations
 
+import contextlib
+
 import os
 import shutil
 import threading
@@ -587,6 +589,23 @@ class Store:
     def rollback(self) -> None:
         self.con.execute("ROLLBACK")
 
+    @contextlib.contextmanager
+    def transaction(self):
+        """``with store.transaction(): ...``: the block's statements are committed together,
+        or, when the block raises (Ctrl-C included), rolled back and the exception goes on.
+        Should the rollback fail too (a failed COMMIT has ended the transaction already),
+        its message is added to the exception that goes on, not put in its place."""
+        self.begin()
+        try:
+            yield
+            self.commit()
+        except BaseException as exc:
+            try:
+                self.rollback()
+            except duckdb.Error as also:
+                exc.add_note(f"(and the rollback after it failed: {also})")
+            raise
+
     def delete_file_rows(self, file_id: int, replace_from_line: int | None) -> None:
         """Remove a file's rows before it is loaded again: all of them, or (a grown
         file) those from ``replace_from_line`` on. Its ``files`` row goes too."""
@@ -618,15 +637,10 @@ class Store:
             file_id, _, path = value.partition(" ")
             notes[int(file_id)] = path
         if notes:
-            self.begin()
-            try:
+            with self.transaction():
                 for file_id in notes:
                     self.delete_file_rows(file_id, None)
                 self.con.execute("DELETE FROM meta WHERE key = 'loading_file'")
-                self.commit()
-            except BaseException:
-                self.rollback()
-                raise
         return sorted(notes.values())
 
     def insert_parts(self, parts: dict[str, list[str]], con: duckdb.DuckDBPyConnection | None = None) -> dict[str, int]:

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from forensics import pipeline
 from forensics.export import parquet
@@ -96,3 +97,21 @@ def test_foundation_fixture_holds_no_stored_copy_of_text(tmp_path):
         "count(*) FILTER (WHERE _message IS NOT NULL AND _message = text) FROM lines").fetchone()
     assert n > 20 and nulls == 0 and copies == 0
     con.close()
+
+
+def test_a_transaction_commits_together_or_not_at_all(tmp_path):
+    """Store.transaction: the block's rows go in together; a block that raises leaves
+    nothing and its exception goes on."""
+    from forensics.store import Store
+
+    store = Store(str(tmp_path / "t.duckdb"))
+    try:
+        store.con.execute("CREATE TABLE t (x INTEGER)")
+        with store.transaction():
+            store.con.execute("INSERT INTO t VALUES (1), (2)")
+        with pytest.raises(KeyboardInterrupt), store.transaction():
+            store.con.execute("INSERT INTO t VALUES (3)")
+            raise KeyboardInterrupt
+        assert store.con.execute("SELECT list(x ORDER BY x) FROM t").fetchone()[0] == [1, 2]
+    finally:
+        store.close()
