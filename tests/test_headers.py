@@ -32,3 +32,20 @@ def test_logger_name_or_source_location():
         ("INFO", None, "plain words here"),
     ]
     assert {r[4] for r in rows} == {"pylog"}
+
+
+def test_a_verl_step_line_after_a_logging_header_keeps_its_step():
+    """`step:3 - key:value - ...` right after the level looks like a `file:line -` source
+    location; it is the start of verl's step line and stays in the message, so the line's
+    metrics are read. A real source location before it is still taken."""
+    text = ("2025-03-14 10:02:11,345 INFO step:3 - actor/grad_norm:0.25 - timing_s/gen:12.0\n"
+            "2025-03-14 10:02:12,000 - verl - INFO - step:4 - actor/grad_norm:0.5\n"
+            "2025-03-14 10:02:13,000 INFO main_ppo:375 - step:5 - actor/grad_norm:0.75\n")
+    ctx = FileContext(file_id=1, path="app.log", size=len(text), fmt="text")
+    frames = dict(parse_text(io.BytesIO(text.encode()), ctx))
+    rows = frames["lines"].select("level", "logger", "message").rows()
+    assert [r[1] for r in rows] == [None, "verl", "main_ppo:375"]
+    assert [r[2].split(" - ")[0] for r in rows] == ["step:3", "step:4", "step:5"]
+    got = frames["metrics"].select("line_no", "step", "key", "value").sort("line_no", "key").rows()
+    assert got == [(1, 3, "actor/grad_norm", 0.25), (1, 3, "timing_s/gen", 12.0),
+                   (2, 4, "actor/grad_norm", 0.5), (3, 5, "actor/grad_norm", 0.75)]

@@ -16,13 +16,25 @@ import polars as pl
 
 from ..base import FileContext, LineFormat
 from .common import apply_header, g, normalise_level, parse_ts
+from .verl_metrics import STEP_LINE_START
 
 _LEVEL = r"DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL|FATAL"
-ISO = (
-    r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|(?P<tzs>[+-])(?P<tzh>\d{2}):?(?P<tzm>\d{2}))?\]?"
-    rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?"
-    r"(?:[ \t]+(?P<src>[\w.]+:\d+)[ \t]+-)?)?[ \t]*)"
-)
+
+
+def _iso(src: bool) -> str:
+    """The header pattern; ``src``: with the optional ``file:line -`` after the level."""
+    return (
+        r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|(?P<tzs>[+-])(?P<tzh>\d{2}):?(?P<tzm>\d{2}))?\]?"
+        rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?"
+        + (r"(?:[ \t]+(?P<src>[\w.]+:\d+)[ \t]+-)?" if src else "") + r")?[ \t]*)"
+    )
+
+
+ISO = _iso(src=True)
+# verl's step line (`step:12 - actor/lr:1e-06 - ...`) printed through Python logging has the
+# shape of a `file:line -` source location right after the level: there it is the step
+# line's start and stays in the message (parsers/lines/verl_metrics.py reads it).
+_ISO_BEFORE_STEP_LINE = _iso(src=False) + STEP_LINE_START.removeprefix("^")
 
 
 def _utc(ts: pl.Expr) -> pl.Expr:
@@ -35,12 +47,11 @@ def _utc(ts: pl.Expr) -> pl.Expr:
 def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     if not df.get_column("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}").any():
         return df, {}
-    df = apply_header(df, ISO, "pylog", {
-        "ts": _utc(parse_ts(g("ts"))),
-        "ts_quality": pl.lit("full"),
-        "level": normalise_level(g("level")),
-        "logger": pl.coalesce(g("name"), g("src")),
-    }, prefilter=pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}"))
+    fields = {"ts": _utc(parse_ts(g("ts"))), "ts_quality": pl.lit("full"), "level": normalise_level(g("level"))}
+    stamped = pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}")
+    df = apply_header(df, _iso(src=False), "pylog", {**fields, "logger": g("name")},
+                      prefilter=stamped & pl.col("message").str.contains(_ISO_BEFORE_STEP_LINE))
+    df = apply_header(df, ISO, "pylog", {**fields, "logger": pl.coalesce(g("name"), g("src"))}, prefilter=stamped)
     return df, {}
 
 

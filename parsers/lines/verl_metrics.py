@@ -45,6 +45,7 @@ METRICS = Table(
     ),
 )
 
+STEP_LINE_START = r"^step:\d+ - "  # how a verl console step line starts
 _STEP_LINE = r"^step:(\d+) - "
 _NUMERIC_WRAPPER = r"^(?:np\.|numpy\.)?(?:float|int|uint|bool_)\d*\((.*)\)$|^tensor\((.*?)(?:, .*)?\)$"
 
