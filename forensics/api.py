@@ -25,6 +25,7 @@ import polars as pl
 from . import export as export_mod
 from . import phases as phases_mod
 from . import pipeline
+from .errors import ForensicsError
 from .store import DB_MEMORY, NoSuchRun, SettingError, Store, StoreError, set_memory_limit
 
 if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a second of imports
@@ -32,12 +33,6 @@ if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a sec
     from .diagnose import Diagnosis
     from .evaluate import EvalReport
     from .report import ReportResult
-
-
-class ForensicsError(Exception):
-    """A problem the user can fix; the message says what it is, and what to do where that
-    is not obvious. The command line prints it as one ``error:`` line and exits with
-    status 2. The exception it stands for, if any, is its ``__cause__``."""
 
 
 def _no_database(db: str | os.PathLike) -> ForensicsError:

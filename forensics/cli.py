@@ -2,9 +2,14 @@
 
 Every command parses its arguments, makes one call of :mod:`forensics.api` (the call a
 notebook makes) and formats what it returns. A :class:`forensics.api.ForensicsError`
-from any command is printed as one ``error:`` line with exit status 2, in one place
+(:mod:`forensics.errors`) from any command is printed as one ``error:`` line with exit status 2, in one place
 (:meth:`_Group.invoke`); Ctrl-C ends a command with status 130; anything else is an
 internal error (status 1, its traceback with ``--debug``).
+
+The API (DuckDB, polars, pyarrow, the parsers) is imported inside the commands that call
+it, and rich's progress bars and tables where they are drawn: ``forensics --help``,
+``--version`` and a command's ``--help`` load none of them (tests/test_cli.py checks it;
+bench/bench_startup.py times it).
 """
 from __future__ import annotations
 
@@ -17,18 +22,18 @@ import signal
 import sys
 import time
 import traceback
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, DownloadColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
-                           TransferSpeedColumn)
-from rich.table import Table as RichTable
-from rich.text import Text
 from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
-from . import __version__, api
+from . import __version__
+from .errors import ForensicsError
+
+if TYPE_CHECKING:
+    from . import api
 
 STARTED = time.perf_counter()  # the command's start, near enough (imports before it: a few tenths of a second)
 
@@ -71,7 +76,7 @@ class _Group(_HelpWithoutTypes, TyperGroup):
         """Run the command; a user error becomes one ``error:`` line and exit status 2."""
         try:
             return super().invoke(ctx)
-        except api.ForensicsError as exc:
+        except ForensicsError as exc:
             if State.interrupted:  # Ctrl-C, which DuckDB reported as an error of its own
                 raise KeyboardInterrupt from None
             if State.debug and exc.__cause__ is not None:
@@ -165,6 +170,8 @@ def ingest(
     shared: bool = typer.Option(False, "--shared", help="--engine ray: PATHS are on a filesystem every node sees: split the file list across the cluster's CPUs (implied by a URL)."),
 ) -> None:
     """Detect, parse and load every file under PATHS into the database."""
+    from . import api
+
     show_progress = not quiet and not as_json and err.is_terminal
     with _interruptible():
         try:
@@ -190,6 +197,8 @@ def _spinner(what: str, shown: bool):
     if not shown:
         yield
         return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as bar:
         bar.add_task(what, total=None)
         yield
@@ -223,6 +232,8 @@ def _progress_bar(shown: bool):
     if not shown:
         yield None
         return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+
     with Progress(TextColumn("ingest"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=True) as bar:
         task = bar.add_task("", total=None)
@@ -250,6 +261,8 @@ def _print_ingest(summary, headline: str | None, quiet: bool, as_json: bool, dia
     for m in summary.messages:
         err.print(f"[yellow]![/yellow] {_shown(m)}", markup=True, highlight=False)
     if not quiet:
+        from rich.table import Table as RichTable
+
         t = RichTable(title=f"ingested into {summary.db}", show_edge=False)
         t.add_column("format")
         t.add_column("files", justify="right")
@@ -299,6 +312,8 @@ def collect(
     as_json: bool = typer.Option(False, "--json", help="Print what was copied as JSON."),
 ) -> None:
     """Copy every alive Ray node's session logs into OUT_DIR, for `forensics ingest OUT_DIR`."""
+    from . import api
+
     result = api.collect(out_dir, address=address)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -319,8 +334,10 @@ def query(
     max_rows: int = typer.Option(40, "--max-rows", metavar="N", min=0, help="Rows the table shows (0: all); the other formats print every row."),
 ) -> None:
     """Run SQL against the database and print the result (streamed: any size)."""
+    from . import api
+
     if fmt not in QUERY_FORMATS:
-        raise api.ForensicsError(f"unknown --format {fmt!r}: use table, csv, json or ndjson")
+        raise ForensicsError(f"unknown --format {fmt!r}: use table, csv, json or ndjson")
     try:
         with api.query_batches(db, sql, write=write) as result:
             if fmt == "table":
@@ -525,6 +542,8 @@ def export(
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ) -> None:
     """Export the database: Parquet files (--parquet) and/or a Chrome/Perfetto trace (--chrome-trace)."""
+    from . import api
+
     written = api.export(db, parquet=parquet, chrome_trace=chrome_trace, categories=category or None)
     if as_json:
         typer.echo(json.dumps(written, indent=2, default=str))
@@ -550,6 +569,8 @@ def report(
 ) -> None:
     """Write the self-contained post-mortem HTML: incident card, findings, per-rank phase
     timeline, phases per step, training metrics, file inventory. Works offline."""
+    from . import api
+
     with _spinner(f"writing {output}", err.is_terminal):
         result = api.report(db, output, title, run=run)
     for note in result.notes:
@@ -573,6 +594,8 @@ def diagnose(
 
     Exit status 0 when a verdict was reached (healthy or failed); non-zero only when the
     diagnosis could not run (no database, bad signature files)."""
+    from . import api
+
     with _spinner("diagnosing", err.is_terminal and not as_json):
         result = api.diagnose(db, signatures, context=context, run=run)
     if as_json:
@@ -589,6 +612,11 @@ def signatures_cmd(
     check: bool = typer.Option(False, "--check", help="Also compile every pattern with DuckDB's regex engine (RE2)."),
 ) -> None:
     """List the signature catalogue: one rule per line with its class and causal role."""
+    from rich.table import Table as RichTable
+    from rich.text import Text
+
+    from . import api
+
     cat = api.catalogue(signatures, check=check)
     detectors = sorted(k for k, v in cat.metric_detectors.items() if isinstance(v, dict))
     if as_json:
@@ -617,6 +645,8 @@ def evaluate(
     signatures: List[str] = SIGNATURES_OPTION,
 ) -> None:
     """Ingest every labelled bundle, diagnose it and score the diagnoses against the labels."""
+    from . import api
+
     scores = api.evaluate(corpus_dir, work=work, signatures=signatures)
     if as_json:
         typer.echo(json.dumps(scores.to_dict(), indent=2, default=str))

@@ -1,6 +1,7 @@
 """The ``forensics`` command's entry point: the command line, with a Ctrl-C during its
-imports (about a second of DuckDB, polars and pyarrow) ending as any other interrupt
-does, `interrupted` and exit status 130, instead of Python's traceback."""
+imports (typer and rich; DuckDB, polars and pyarrow come later, inside the command that
+calls the API, under the command line's own interrupt handling) ending as any other
+interrupt does, `interrupted` and exit status 130, instead of Python's traceback."""
 from __future__ import annotations
 
 import sys

@@ -44,7 +44,45 @@ def test_the_cli_imports_only_the_api():
             imported |= {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             assert not any(a.name.startswith("forensics") for a in node.names), ast.dump(node)
-    assert imported == {"api", "__version__"}, f"forensics/cli.py imports {sorted(imported)}: call forensics.api instead"
+    # besides the API: the API's error class from its own cheap module (forensics.errors,
+    # the same class as forensics.api.ForensicsError), which the help needs without the API
+    assert imported == {"api", "__version__", "errors.ForensicsError"}, \
+        f"forensics/cli.py imports {sorted(imported)}: call forensics.api instead"
+
+
+def test_the_error_class_is_one_class():
+    from forensics import errors
+
+    assert api.ForensicsError is errors.ForensicsError
+    assert isinstance(api.ForensicsError("x"), errors.ForensicsError)
+
+
+HEAVY = ("duckdb", "polars", "pyarrow", "numpy", "forensics.api")
+
+
+@pytest.mark.parametrize("argv", [[], ["--help"], ["--version"], ["diagnose", "--help"], ["ingest", "--help"]])
+def test_the_help_and_version_import_no_database_or_dataframe_library(argv):
+    """`forensics --help` and a command's help are quick because they load neither DuckDB,
+    polars, pyarrow nor the API (bench/bench_startup.py times them): a module-level import
+    of the API in forensics/cli.py (or of them in forensics/__init__.py) fails this."""
+    code = ("import sys\nfrom forensics.cli import app\n"
+            "try:\n    app(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print('HEAVY', sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == "HEAVY []", res.stdout[-2000:]
+    assert ("forensics 0.1" if argv == ["--version"] else "Usage") in res.stdout
+
+
+def test_a_command_still_imports_the_api(tmp_path):
+    """The other side: the lazy imports do load the API when a command runs (the check above
+    would pass as well if the commands never got there)."""
+    code = ("import sys\nfrom forensics.cli import app\n"
+            "try:\n    app(['diagnose', '--db', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+            "print('API', 'forensics.api' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "none.duckdb")], capture_output=True, text=True, timeout=60)
+    assert res.stdout.splitlines()[-1] == "API True", res.stdout + res.stderr
+    assert "error: no database at" in res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("name", COMMANDS)
