@@ -68,7 +68,13 @@ def build(db: Path, corpus: Path, want: int) -> int:
     have, top = con.execute("SELECT count(*), max(line_no) FROM lines").fetchone()
     copies = max(0, -(-want // max(have, 1)) - 1)
     if copies:
-        con.execute(f"""INSERT INTO lines SELECT l.* REPLACE (l.line_no + r.k * {int(top) + 1} AS line_no)
+        # the stored columns only: message is a generated column over the hidden _message
+        stored = [c for (c,) in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'lines' "
+            "AND is_generated = 'NEVER' ORDER BY ordinal_position").fetchall()]
+        names = ", ".join(f'"{c}"' for c in stored)
+        values = ", ".join(f"l.line_no + r.k * {int(top) + 1}" if c == "line_no" else f'l."{c}"' for c in stored)
+        con.execute(f"""INSERT INTO lines ({names}) SELECT {values}
                         FROM lines l, range(1, {copies + 1}) r(k)""")
     (n,) = con.execute("SELECT count(*) FROM lines").fetchone()
     con.close()

@@ -110,9 +110,9 @@ def build(db: Path, steps: int, ranks: int, work: Path) -> dict:
     """).fetchall()
     # step marker lines (one per rank and step) and metrics per step
     con.execute(f"""
-        INSERT INTO lines (file_id, line_no, ts, ts_quality, level, rank, message, text)
+        INSERT INTO lines (file_id, line_no, ts, ts_quality, level, rank, text)
         SELECT 999, row_number() OVER (ORDER BY s.i, r.i), {t0} + to_microseconds((s.i * {step_us})::BIGINT), 'full', 'INFO', r.i,
-               'step ' || s.i || ': generate_sequences start', 'step ' || s.i || ': generate_sequences start'
+               'step ' || s.i || ': generate_sequences start'
         FROM range(1, {steps} + 1) s(i), range({ranks}) r(i)
     """).fetchall()
     con.execute(f"""

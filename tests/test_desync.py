@@ -13,7 +13,7 @@ from forensics import parsers
 from forensics import detect
 from forensics.desync import describe, desync, suspects
 from forensics import sql_modules
-from forensics.store import all_tables, ddl
+from forensics.store import all_tables, ddl, insert_sql
 from forensics.parsers.base import FileContext
 
 from .test_flight_recorder import dump
@@ -51,7 +51,7 @@ def quick_db(run: Path) -> duckdb.DuckDBPyConnection:
         with open(path, "rb") as stream:
             for name, frame in parse(stream, ctx):
                 con.register("_part", tables[name].conform(frame))
-                con.execute(f'INSERT INTO "{name}" SELECT * FROM _part')
+                con.execute(insert_sql(tables[name], "_part"))
                 con.unregister("_part")
     sql_modules.create(con, sql_modules.needed(["desync"]))
     return con

@@ -177,12 +177,13 @@ def test_a_step_line_with_its_own_stamp_ends_there(tmp_path):
     elapsed = {1: "01:30", 2: "03:10", 3: "04:40"}
     for step, ts in stamped.items():
         line = 2 * step
-        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, message, text) VALUES (1, ?, ?, ?, ?, ?)",
-                    [line, ts or "2026-05-04 09:03:50", "full" if ts else "inherited", f"step:{step} - ...", f"step:{step} - ..."])
+        # a message equal to its text is stored once: in text alone (hidden _message NULL)
+        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, text) VALUES (1, ?, ?, ?, ?)",
+                    [line, ts or "2026-05-04 09:03:50", "full" if ts else "inherited", f"step:{step} - ..."])
         for key, value in (("timing_s/gen", 50.0), ("timing_s/update_actor", 30.0), ("timing_s/step", 90.0)):
             con.execute("INSERT INTO metrics (file_id, line_no, ts, step, key, value, source) VALUES (1, ?, ?, ?, ?, ?, 'console')",
                         [line, ts or "2026-05-04 09:03:50", step, key, value])
-        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, message, text) VALUES (1, ?, ?, 'inherited', ?, ?)",
+        con.execute("INSERT INTO lines (file_id, line_no, ts, ts_quality, _message, text) VALUES (1, ?, ?, 'inherited', ?, ?)",
                     [line + 1, ts or "2026-05-04 09:03:50", f"Training Progress: 5%|#| {step}/9 [{elapsed[step]}<00:10, 90.00s/it]",
                      "Training Progress"])
     con.close()
