@@ -11,6 +11,23 @@ CORPUS = Path(os.environ.get("FORENSICS_CORPUS", REPO.parent / "shared" / "corpu
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def pytest_configure(config):
+    """The tests (and the commands they start) keep loaded catalogues in a folder of their
+    own, not the user's ~/.cache: each run starts without one, as a fresh install does."""
+    import tempfile
+
+    if "FORENSICS_CACHE_DIR" not in os.environ:
+        config._forensics_cache = tempfile.TemporaryDirectory(prefix="forensics-test-cache-")
+        os.environ["FORENSICS_CACHE_DIR"] = config._forensics_cache.name
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_forensics_cache", None)
+    if cache is not None:
+        os.environ.pop("FORENSICS_CACHE_DIR", None)
+        cache.cleanup()
+
+
 @pytest.fixture(scope="session")
 def corpus() -> Path:
     if not CORPUS.is_dir():
