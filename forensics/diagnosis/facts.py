@@ -10,7 +10,7 @@ from typing import Any, Iterable
 
 import duckdb
 
-from ..catalogue import TRAIT_PREFIX, Catalogue
+from ..catalogue import TRAIT_PREFIX, Catalogue, SignatureError, derive_keywords
 from ..parsers import registry
 from .model import Hit
 
@@ -313,7 +313,9 @@ class RunConfig:
         top = "|".join(cls.TOP_KEYS)
         override = re.compile(rf"(?:^|\s)\+{{0,2}}((?:{top})(?:\.[\w]+)+)=('[^']*'|\"[^\"]*\"|\S+)")
         for (msg,) in con.execute(
-            f"SELECT message FROM lines WHERE regexp_matches(message, '(?:^|\\s)\\+{{0,2}}(?:{top})\\.[\\w.]+=') ORDER BY file_id, line_no LIMIT 5000"
+            # contains() first: a substring test is several times cheaper than the regex on every line
+            f"SELECT message FROM lines WHERE contains(message, '=') AND regexp_matches(message, '(?:^|\\s)\\+{{0,2}}(?:{top})\\.[\\w.]+=') "
+            "ORDER BY file_id, line_no LIMIT 5000"
         ).fetchall():
             for key, raw in override.findall(msg):
                 raw = raw.rstrip("\\").strip()
@@ -331,8 +333,14 @@ class RunConfig:
         for engine, pats in patterns.items():
             for pat in pats:
                 rx = re.compile(pat)
-                for (msg,) in con.execute("SELECT message FROM lines WHERE regexp_matches(message, ?) "
-                                          "ORDER BY file_id, line_no LIMIT 50", [pat]).fetchall():
+                try:  # a literal every match contains, tested first (cheap) when the pattern has one
+                    cs, ci = derive_keywords([pat], f"engine_args.{engine}")
+                except SignatureError:
+                    cs, ci = (), ()
+                kw = [("contains(message, ?)", k) for k in cs] + [("contains(lower(message), ?)", k.lower()) for k in ci]
+                pre = "(" + " OR ".join(c for c, _ in kw) + ") AND " if kw else ""
+                for (msg,) in con.execute(f"SELECT message FROM lines WHERE {pre}regexp_matches(message, ?) "
+                                          "ORDER BY file_id, line_no LIMIT 50", [k for _, k in kw] + [pat]).fetchall():
                     m = rx.search(msg or "")
                     try:
                         args = ast.literal_eval(m.group("args")) if m else None
@@ -356,7 +364,7 @@ class RunConfig:
     def _config_dump(cls, con) -> dict[str, Any]:
         starts = con.execute(
             f"""SELECT file_id, line_no, pid FROM lines
-                WHERE regexp_matches(message, '^\\s*\\{{''(?:{'|'.join(cls.TOP_KEYS)})'': ')
+                WHERE contains(message, '{{''') AND regexp_matches(message, '^\\s*\\{{''(?:{'|'.join(cls.TOP_KEYS)})'': ')
                 ORDER BY file_id, line_no LIMIT 4"""
         ).fetchall()
         for file_id, line_no, pid in starts:

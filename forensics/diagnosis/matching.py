@@ -6,7 +6,7 @@ patterns and restrictions) to the candidates only. Each match becomes a :class:`
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import duckdb
 import polars as pl
@@ -63,17 +63,18 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_wrapped AS
             WITH small AS (SELECT file_id FROM files WHERE kind = 'text' AND lines <= {WRAP_MAX_LINES}),
-            len AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n,
-                           regexp_extract(l.text, '^\\W*\\w+') AS first_word
-                    FROM lines l SEMI JOIN small USING (file_id)),
+            -- the widths first (cheap); the words and neighbours only of the few wrapped files
+            len AS (SELECT l.file_id, l.text, length(l.text) AS n FROM lines l SEMI JOIN small USING (file_id)),
             widest AS (SELECT file_id, max(n) AS w, count(*) AS c FROM len GROUP BY file_id HAVING max(n) >= {WRAP_MIN_WIDTH}),
-            width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) GROUP BY file_id, widest.w, widest.c
-                      HAVING count(*) FILTER (WHERE len.n = widest.w) >= greatest(3, {WRAP_MIN_SHARE} * widest.c)
-                         AND count(DISTINCT len.text) FILTER (WHERE len.n = widest.w) >= 3),
-            prev AS (SELECT len.*, width.w, lag(n) OVER w0 AS prev_n, lag(text) OVER w0 AS prev_text,
-                            lag(first_word) OVER w0 AS prev_word
-                     FROM len JOIN width USING (file_id)
-                     WINDOW w0 AS (PARTITION BY len.file_id ORDER BY line_no)),
+            width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) WHERE len.n = widest.w
+                      GROUP BY file_id, widest.w, widest.c
+                      HAVING count(*) >= greatest(3, {WRAP_MIN_SHARE} * widest.c) AND count(DISTINCT len.text) >= 3),
+            prev AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n, width.w,
+                            regexp_extract(l.text, '^\\W*\\w+') AS first_word,
+                            lag(length(l.text)) OVER w0 AS prev_n, lag(l.text) OVER w0 AS prev_text,
+                            lag(regexp_extract(l.text, '^\\W*\\w+')) OVER w0 AS prev_word
+                     FROM lines l JOIN width USING (file_id)
+                     WINDOW w0 AS (PARTITION BY l.file_id ORDER BY l.line_no)),
             -- a full-width line continues on the next one unless it ends in padding, or the next
             -- line starts a record of its own (a header, or the first word the full line starts with)
             g AS (SELECT *, sum(CASE WHEN prev_n = w AND NOT regexp_matches(prev_text, '\\s$') AND header IS NULL
@@ -160,20 +161,38 @@ QUIET_LEVELS = ("DEBUG", "INFO", "WARNING")
 SURVIVED = ("ignored", "atexit", "asyncio")
 
 
-def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | None = None) -> bool:
-    """Whether the fatal event ``e`` (a ``fatal_events`` row as a dict) meets every field of
-    the matcher ``m`` (see :class:`forensics.catalogue.ExceptionMatch`). ``preceded(regex)``
-    answers ``preceded_by`` (None: such a matcher does not match)."""
+class EventFields(NamedTuple):
+    """What the matchers read of a fatal event, made once per event (see event_matches)."""
+    types: list[str]
+    names: list[str]
+    messages: list[str]
+    frames: list[str]
+
+
+def event_fields(e: dict) -> EventFields:
     types = [t for t in (e.get("types") or []) if t]
     for t in (e.get("exc_type"), e.get("wrapped_type"), e.get("outer_type")):
         if t and t not in types:
             types.append(t)
     names = types + [t.rsplit(".", 1)[-1].rsplit("::", 1)[-1] for t in types]
+    messages = [x for x in (e.get("message"), e.get("outer_message"), *[(c or {}).get("message") for c in e.get("chain") or []]) if x]
+    # a frame is read as `file:function`, and by the source line it shows
+    frames = [f"{f.get('file')}:{f.get('function')}" for f in e.get("frames") or []]
+    frames += [f["code"] for f in e.get("frames") or [] if f.get("code")]
+    return EventFields(types, names, messages, frames)
+
+
+def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | None = None,
+                  fields: EventFields | None = None) -> bool:
+    """Whether the fatal event ``e`` (a ``fatal_events`` row as a dict) meets every field of
+    the matcher ``m`` (see :class:`forensics.catalogue.ExceptionMatch`). ``preceded(regex)``
+    answers ``preceded_by`` (None: such a matcher does not match). ``fields``: the event's
+    :func:`event_fields`, when the caller tries many matchers on one event."""
+    types, names, messages, frames = fields or event_fields(e)
     if m.type and not any(re.search(m.type, t) for t in names):
         return False
     if m.not_type and any(re.search(m.not_type, t) for t in types):
         return False
-    messages = [x for x in (e.get("message"), e.get("outer_message"), *[(c or {}).get("message") for c in e.get("chain") or []]) if x]
     if m.message and not any(re.search(m.message, x) for x in messages):
         return False
     if m.not_message and any(re.search(m.not_message, x) for x in messages):
@@ -182,9 +201,6 @@ def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | 
         return False
     if m.not_raised_in and e.get("package") in m.not_raised_in:
         return False
-    # a frame is read as `file:function`, and by the source line it shows
-    frames = [f"{f.get('file')}:{f.get('function')}" for f in e.get("frames") or []]
-    frames += [f["code"] for f in e.get("frames") or [] if f.get("code")]
     if m.frames and not any(re.search(m.frames, f) for f in frames):
         return False
     if m.not_frames and any(re.search(m.not_frames, f) for f in frames):
@@ -232,6 +248,7 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     out: list[Hit] = []
     for row in rows:
         e = dict(zip(names, row))
+        fields = event_fields(e)
         memo: dict[str, bool] = {}
 
         def preceded(rx: str, e=e, memo=memo) -> bool:
@@ -246,7 +263,7 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                 continue  # logged, and its process logged more: not an exception that ended anything
             if e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper:
                 continue
-            if not event_matches(r.exception, e, preceded):
+            if not event_matches(r.exception, e, preceded, fields):
                 continue
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],

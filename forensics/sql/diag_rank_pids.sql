@@ -30,7 +30,8 @@ UNION ALL
 SELECT pid, TRY_CAST(regexp_extract(message, '(?:\[(?:\w+ )?[Rr]ank[ _]?|^[\w.]+\.rank)(\d+)(?:\]|:\d+ - )', 1) AS INTEGER) AS rank,
        'message', count(*), any_value(node)
 FROM lines
-WHERE pid IS NOT NULL AND rank IS NULL AND contains(lower(message), 'rank')
+-- every match holds `rank` or `Rank`: two substring tests are cheaper than lower() of each line
+WHERE pid IS NOT NULL AND rank IS NULL AND (contains(message, 'rank') OR contains(message, 'Rank'))
   AND regexp_matches(message, '(?:\[(?:\w+ )?[Rr]ank[ _]?|^[\w.]+\.rank)\d+(?:\]|:\d+ - )')
 GROUP BY ALL
 UNION ALL
