@@ -1,0 +1,60 @@
+"""The built-in phase markers (signatures/phase_markers.yaml) on tracebacks of the shapes
+that start-up failures print (tests/fixtures/SOURCES.md says where the shapes were seen);
+the texts are written here. A marker of the start-up must not take a failure of a step."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from forensics import catalogue as sig
+from forensics.diagnosis.context import phase_of
+
+
+@pytest.fixture(scope="module")
+def markers():
+    return [(p, re.compile(rx), o) for p, rx, o in sig.load().phase_markers]
+
+
+def tb(*frames: tuple[str, int, str, str], exc: str = "ValueError: bad") -> str:
+    out = ["Traceback (most recent call last):"]
+    for path, line, fn, code in frames:
+        out += [f'  File "{path}", line {line}, in {fn}', f"    {code}"]
+    return "\n".join(out + [exc])
+
+
+CONSTRUCTOR = tb(("/work/app/grpo.py", 200, "<module>", "main(args)"),
+                 ("/work/app/grpo.py", 150, "main", "trainer = GRPOTrainer("),
+                 ("/env/site-packages/trl/trainer/grpo_trainer.py", 400, "__init__", "raise ValueError("),
+                 exc="ValueError: The global train batch size (3 x 1) must be evenly divisible by 4")
+DATASET = tb(("/env/site-packages/datasets/builder.py", 1800, "_prepare_split_single", "for _, table in generator:"),
+             ("/env/site-packages/datasets/packaged_modules/json/json.py", 90, "_generate_tables", "pa_table = read(f)"),
+             exc="pyarrow.lib.ArrowInvalid: JSON parse error")
+MEGATRON = tb(("/work/rl/scheduler/worker.py", 70, "sync_func", "return func(*args, **kwargs)"),
+              ("/work/rl/workers/actor/megatron_actor.py", 270, "init_worker", "self.setup_model_and_optimizer()"),
+              ("/work/rl/engines/megatron/manager.py", 140, "setup_model_and_optimizer", "self.model = build()"),
+              exc="RuntimeError: Error(s) in loading state_dict")
+STEP = tb(("/work/verl/trainer/main_ppo.py", 60, "run", "trainer.fit()"),
+          ("/work/verl/trainer/ppo/ray_trainer.py", 1000, "fit", "actor_output = self.actor_rollout_wg.update_actor(batch)"),
+          ("/work/verl/workers/actor/dp_actor.py", 400, "update_policy", "loss.backward()"),
+          exc="torch.OutOfMemoryError: CUDA out of memory.")
+ROLLOUT = tb(("/work/verl/trainer/ppo/ray_trainer.py", 990, "fit", "gen_batch_output = self.actor_rollout_wg.generate_sequences(gen_batch)"),
+             ("/work/verl/workers/rollout/vllm_rollout.py", 300, "generate_sequences", "outputs = self.inference_engine.generate("),
+             exc="RuntimeError: engine dead")
+
+
+@pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"),
+                                         (STEP, "train"), (ROLLOUT, "rollout")],
+                         ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "train-step", "rollout"])
+def test_phase_of_a_traceback(markers, text, phase):
+    assert phase_of(text, markers, frames_only=True) == phase
+
+
+def test_a_ray_init_method_is_the_start_up(markers):
+    assert phase_of("ray::MegatronActor.init_worker() (pid=4242, ip=10.0.0.2)", markers) == "init"
+
+
+def test_a_trainer_method_other_than_its_constructor_is_not_the_start_up(markers):
+    text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 1000, "fit", "self._validate()"),
+              ("/work/verl/trainer/ppo/ray_trainer.py", 700, "_validate", "output = self.val_reward_fn(batch)"))
+    assert phase_of(text, markers, frames_only=True) != "init"
