@@ -42,10 +42,17 @@ ROLLOUT = tb(("/work/verl/trainer/ppo/ray_trainer.py", 990, "fit", "gen_batch_ou
              ("/work/verl/workers/rollout/vllm_rollout.py", 300, "generate_sequences", "outputs = self.inference_engine.generate("),
              exc="RuntimeError: engine dead")
 
+BUILDING = tb(("/work/sglang/srt/managers/scheduler.py", 1700, "run_scheduler_process",
+               "scheduler = Scheduler(server_args, port_args, gpu_id, tp_rank"), exc="")
+SCORING = tb(("/env/site-packages/math_verify/parser.py", 499, "parse", "return extract_target(pred)"),
+             ("/env/lib/python3.10/signal.py", 56, "signal", "handler = _signal.signal(n, h)"),
+             exc="ValueError: signal only works in main thread of the main interpreter")
 
-@pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"),
-                                         (STEP, "train"), (ROLLOUT, "rollout")],
-                         ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "train-step", "rollout"])
+
+@pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"), (BUILDING, "init"),
+                                         (SCORING, "reward"), (STEP, "train"), (ROLLOUT, "rollout")],
+                         ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "engine-being-built",
+                              "reward-library", "train-step", "rollout"])
 def test_phase_of_a_traceback(markers, text, phase):
     assert phase_of(text, markers, frames_only=True) == phase
 
