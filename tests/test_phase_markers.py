@@ -48,11 +48,16 @@ SCORING = tb(("/env/site-packages/math_verify/parser.py", 499, "parse", "return 
              ("/env/lib/python3.10/signal.py", 56, "signal", "handler = _signal.signal(n, h)"),
              exc="ValueError: signal only works in main thread of the main interpreter")
 
+# a faulthandler stack: `File "...", line N in f`, innermost first
+FORWARD = "\n".join(["Fatal Python error: Floating point exception", "", "Stack (most recent call first):",
+                     '  File "/env/site-packages/vllm/model_executor/layers/logits_processor.py", line 80 in _get_logits',
+                     '  File "/env/site-packages/torch/nn/modules/module.py", line 1500 in _call_impl'])
+
 
 @pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"), (BUILDING, "init"),
-                                         (SCORING, "reward"), (STEP, "train"), (ROLLOUT, "rollout")],
+                                         (SCORING, "reward"), (FORWARD, "rollout"), (STEP, "train"), (ROLLOUT, "rollout")],
                          ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "engine-being-built",
-                              "reward-library", "train-step", "rollout"])
+                              "reward-library", "engine-forward", "train-step", "rollout"])
 def test_phase_of_a_traceback(markers, text, phase):
     assert phase_of(text, markers, frames_only=True) == phase
 
