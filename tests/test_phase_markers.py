@@ -53,11 +53,16 @@ FORWARD = "\n".join(["Fatal Python error: Floating point exception", "", "Stack 
                      '  File "/env/site-packages/vllm/model_executor/layers/logits_processor.py", line 80 in _get_logits',
                      '  File "/env/site-packages/torch/nn/modules/module.py", line 1500 in _call_impl'])
 
+GENERATION_IN_STEP = tb(("/env/site-packages/transformers/trainer.py", 2500, "_inner_training_loop", "loss = self.training_step(model, inputs)"),
+                        ("/env/site-packages/transformers/trainer.py", 3700, "training_step", "inputs = self._prepare_inputs(inputs)"),
+                        ("/env/site-packages/trl/trainer/grpo_trainer.py", 519, "_prepare_inputs", "prompts = [x['prompt'] for x in inputs]"),
+                        exc="KeyError: 'prompt'")
+
 
 @pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"), (BUILDING, "init"),
-                                         (SCORING, "reward"), (FORWARD, "rollout"), (STEP, "train"), (ROLLOUT, "rollout")],
+                                         (SCORING, "reward"), (FORWARD, "rollout"), (GENERATION_IN_STEP, "rollout"), (STEP, "train"), (ROLLOUT, "rollout")],
                          ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "engine-being-built",
-                              "reward-library", "engine-forward", "train-step", "rollout"])
+                              "reward-library", "engine-forward", "trl-generation-in-step", "train-step", "rollout"])
 def test_phase_of_a_traceback(markers, text, phase):
     assert phase_of(text, markers, frames_only=True) == phase
 
