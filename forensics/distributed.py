@@ -893,8 +893,71 @@ def make_views(con, dest: str) -> None:
                     "SEMI JOIN _parts_files f ON p.file_id = f.file_id AND p.ingest = f.ingest")
         bodies[table.name] = body
         con.execute(f'CREATE OR REPLACE VIEW "{table.name}" AS {body}')
+    if "files" in bodies and _has_parts(dest, FILES.name):
+        _views_with_runs(con, bodies)
     _views_with_years(con, bodies)
     sql_modules.create(con)
+
+
+# The runs of a views-only database and each file's run and stored path (with its PATH's
+# prefix when there are several PATHs): tables of the database itself, since the parts
+# cannot be changed; the ``files`` and ``runs`` views read them.
+VIEW_RUNS = "_view_runs"
+VIEW_FILE_RUNS = "_view_file_runs"
+
+
+def _views_with_runs(con, bodies: dict[str, str]) -> None:
+    """What :func:`_record_runs` does to loaded rows, for the views: the runs are found by
+    the same code, in a scratch database that holds what it reads (the files, the pids
+    of the driver logs, the runs found before, whose ids stay), and the answer is kept in
+    :data:`VIEW_RUNS` and :data:`VIEW_FILE_RUNS`."""
+    from .runs import DRIVER_FORMATS
+    from .store import RUNS, insert_sql
+
+    def arrow(c, query: str) -> pa.Table:
+        return c.sql(query).to_arrow_table()
+
+    con = con.cursor()  # a connection of its own: the caller's may hold a result not read to its end
+    files_cols = ", ".join(f'"{c.name}"' for c in FILES.columns)
+    with tempfile.TemporaryDirectory(prefix="forensics-runs-") as tmp:
+        scratch = Store(os.path.join(tmp, "runs.duckdb"), defer_views=True)
+        try:
+            s = scratch.con.cursor()  # as above
+            s.register("_files_in", arrow(con, f"SELECT {files_cols} FROM ({bodies['files']})"))
+            s.execute(insert_sql(FILES, "_files_in")).fetchall()
+            s.unregister("_files_in")
+            ((had_runs,),) = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = ?",
+                                         [VIEW_RUNS]).fetchall()
+            if had_runs:
+                runs_cols = ", ".join(f'"{c.name}"' for c in RUNS.columns)
+                s.register("_runs_in", arrow(con, f"SELECT {runs_cols} FROM main.{VIEW_RUNS}"))
+                s.execute(insert_sql(RUNS, "_runs_in")).fetchall()
+                s.unregister("_runs_in")
+            formats = ", ".join(f"'{f}'" for f in sorted(DRIVER_FORMATS))
+            s.register("_pids_in", arrow(con, f"""
+                SELECT l.file_id, row_number() OVER () AS line_no, l.pid, '' AS text
+                FROM (SELECT DISTINCT file_id, pid FROM ({bodies['lines']}) WHERE pid IS NOT NULL) l
+                SEMI JOIN ({bodies['files']}) f ON f.file_id = l.file_id AND f.format IN ({formats})"""))
+            s.execute("INSERT INTO lines (file_id, line_no, pid, text) SELECT file_id, line_no, pid, text FROM _pids_in").fetchall()
+            s.unregister("_pids_in")
+            _record_runs(scratch)
+            runs = arrow(s, "SELECT * FROM runs ORDER BY run_id")
+            file_runs = arrow(s, "SELECT file_id, path, run_id FROM files")
+        finally:
+            scratch.close()
+    con.register("_runs_out", runs)
+    con.register("_file_runs_out", file_runs)
+    try:
+        con.execute(f"CREATE OR REPLACE TABLE main.{VIEW_RUNS} AS SELECT * FROM _runs_out").fetchall()
+        con.execute(f"CREATE OR REPLACE TABLE main.{VIEW_FILE_RUNS} AS SELECT * FROM _file_runs_out").fetchall()
+    finally:
+        con.unregister("_runs_out")
+        con.unregister("_file_runs_out")
+    bodies["runs"] = f"SELECT * FROM main.{VIEW_RUNS}"
+    bodies["files"] = (f"SELECT p.* REPLACE (coalesce(r.path, p.path) AS path, r.run_id AS run_id) "
+                       f"FROM ({bodies['files']}) p LEFT JOIN main.{VIEW_FILE_RUNS} r ON r.file_id = p.file_id")
+    for name in ("runs", "files"):
+        con.execute(f'CREATE OR REPLACE VIEW "{name}" AS {bodies[name]}').fetchall()
 
 
 def _views_with_years(con, bodies: dict[str, str]) -> None:

@@ -55,11 +55,13 @@ def attach_parts(con: duckdb.DuckDBPyConnection) -> str | None:
     where the parts are (None: not a views-only database). A missing fsspec is a
     :class:`StoreError` saying what to install."""
     try:
-        row = con.execute("SELECT value FROM meta WHERE key = ?", [PARTS_KEY]).fetchone()
+        # fetchall: a result read only in part would keep the connection busy
+        rows = con.execute("SELECT value FROM meta WHERE key = ?", [PARTS_KEY]).fetchall()
     except duckdb.Error:  # no meta table (an empty or foreign database)
         return None
-    if not row:
+    if not rows:
         return None
+    row = rows[0]
     if "://" not in row[0] or row[0].startswith("file://"):
         return row[0]
     scheme = row[0].split("://", 1)[0]
@@ -773,9 +775,12 @@ def diagnosable_runs(con: duckdb.DuckDBPyConnection) -> list[RunRow]:
 
 
 def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    """Whether the database has the table ``name``, or a view of that name (a views-only
+    database's tables are views over its parts)."""
     return bool(con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main' AND database_name = current_database()",
-        [name]).fetchone()[0])
+        "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name = $1 AND schema_name = 'main' AND database_name = current_database())"
+        " + (SELECT count(*) FROM duckdb_views() WHERE view_name = $1 AND schema_name = 'main' AND database_name = current_database()"
+        " AND NOT temporary)", [name]).fetchall()[0][0])
 
 
 class NoSuchRun(LookupError):
@@ -805,8 +810,10 @@ def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
     db = con.execute("SELECT current_database()").fetchone()[0]
     quoted = '"' + db.replace('"', '""') + '"'
     names = [FILES.name, RUNS.name] + [t.name for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != FILES.name]
-    have = {r[0] for r in con.execute(
-        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database()").fetchall()}
+    have = {r[0] for r in con.execute(  # views too: a views-only database's tables are views over its parts
+        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database() "
+        "UNION SELECT view_name FROM duckdb_views() WHERE schema_name = 'main' AND database_name = current_database() "
+        "AND NOT temporary").fetchall()}
     for name in names:
         if name not in have:
             continue

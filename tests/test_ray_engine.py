@@ -32,18 +32,27 @@ MARK = "forensics-ray-test-marker"
 
 # -- helpers ---------------------------------------------------------------------------
 
-def rows_by_file(con, table: str, where_files: str = "true") -> list[tuple]:
+def rows_by_file(con, table: str, where_files: str = "true", below_path: bool = False) -> list[tuple]:
     """A table's rows with (root, path) of their file instead of file_id, sorted; node
-    and bookkeeping times left out (the Ray engine sets node from the node that read)."""
-    cols = [r[0] for r in con.execute(
-        "SELECT column_name FROM information_schema.columns WHERE table_name = ? ORDER BY ordinal_position",
-        [table]).fetchall()]
-    drop = {"file_id", "node", "ingested_at"}
-    keep = ", ".join(f't."{c}"' for c in cols if c not in drop)
+    and bookkeeping times left out (the Ray engine sets node from the node that read), a
+    file's run by its name. ``below_path``: paths below their PATH and runs by their
+    folder, for databases given the same PATHs in another order (with several PATHs a
+    stored path starts with its PATH's name, made unique in the order they came).
+    ``where_files`` reads ``t.root`` and ``t._path`` (the path as compared)."""
+    # the declared columns: a loaded table also has the hidden columns of stored-once values
+    cols = [c.name for t in all_tables() if t.name == table for c in t.columns]
+    drop = {"file_id", "node", "ingested_at", "run_id"}
+    path = ("CASE WHEN p.path_prefix IS NULL THEN f.path ELSE substr(f.path, length(p.path_prefix) + 2) END"
+            if below_path else "f.path")
+    run = "r.rel || ':' || r.kind" if below_path else "r.name"
+    ff = (f"(SELECT f.*, {path} AS _path, {run} AS _run FROM files f "
+          "LEFT JOIN runs p ON p.parent_id IS NULL AND p.root = f.root LEFT JOIN runs r ON r.run_id = f.run_id)")
     if table == "files":
-        sql = f"SELECT {keep} FROM files t WHERE {where_files}"
+        keep = ", ".join("t._path" if c == "path" else f't."{c}"' for c in cols if c not in drop)
+        sql = f"SELECT {keep}, t._run FROM {ff} t WHERE {where_files}"
     else:
-        sql = (f"SELECT f.root, f.path, {keep} FROM \"{table}\" t JOIN files f ON f.file_id = t.file_id "
+        keep = ", ".join(f't."{c}"' for c in cols if c not in drop)
+        sql = (f"SELECT f.root, f._path, {keep} FROM \"{table}\" t JOIN {ff} f ON f.file_id = t.file_id "
                f"WHERE {where_files.replace('t.', 'f.')}")
     return sorted(con.execute(sql).fetchall(), key=repr)
 
@@ -53,12 +62,12 @@ def file_tables(con) -> list[str]:
     return [t.name for t in all_tables() if t.name == "files" or any(c.name == "file_id" for c in t.columns)]
 
 
-def assert_same_rows(db_a: str, db_b: str, where_files: str = "true") -> None:
+def assert_same_rows(db_a: str, db_b: str, where_files: str = "true", below_path: bool = False) -> None:
     with duckdb.connect(db_a, read_only=True) as a, duckdb.connect(db_b, read_only=True) as b:
         for con in (a, b):
             D.attach_parts(con)  # views over parts on S3 read them through fsspec (api.open does it too)
         for table in file_tables(a):
-            assert rows_by_file(a, table, where_files) == rows_by_file(b, table, where_files), table
+            assert rows_by_file(a, table, where_files, below_path) == rows_by_file(b, table, where_files, below_path), table
 
 
 def node_copies(tmp: Path) -> Path:
@@ -199,8 +208,6 @@ def test_node_side_is_idempotent_per_node_and_path_and_reads_grown_files_from_th
     assert_same_rows(db, local_db)
 
 
-@pytest.mark.xfail(strict=True, reason="a --views-only database records no runs, so with several PATHs its paths lack "
-                   "the PATH prefix a loaded database gives them (known gap since runs landed)")
 def test_parts_folder_loaded_and_views_only_answer_the_same_queries(tmp_path):
     data = node_copies(tmp_path)
     loaded, views = str(tmp_path / "loaded.duckdb"), str(tmp_path / "views.duckdb")
@@ -238,8 +245,6 @@ def test_paths_on_no_node_and_a_dead_nodes_files_are_named():
     assert "/nowhere: no such file or folder on any node" in text and "/data/{node}" not in text
 
 
-@pytest.mark.xfail(strict=True, reason="a --views-only database records no runs, so with several PATHs its paths lack "
-                   "the PATH prefix a loaded database gives them (known gap since runs landed)")
 def test_views_give_yearless_stamps_the_runs_year_as_loading_does(tmp_path):
     vllm = ROOT / "tests" / "fixtures" / "vllm"  # driver.log has full stamps, engine.log none
     (tmp_path / "gpu-a").mkdir()
@@ -371,14 +376,15 @@ def test_cluster_each_node_reads_its_own_session_logs(cluster, tmp_path):
                              f"WHERE l.text LIKE '%{MARK}%'").fetchall()
         assert {n for (n,) in marked} == {"head", "a", "b"}, messages
     # files that did not change between the two ingests (Ray keeps writing its own logs) give the same rows
+    rel = ("SELECT f.root, CASE WHEN p.path_prefix IS NULL THEN f.path ELSE substr(f.path, length(p.path_prefix) + 2) END, "
+           "f.sha256 FROM files f LEFT JOIN runs p ON p.parent_id IS NULL AND p.root = f.root")
     with duckdb.connect(local_db, read_only=True) as con:
-        local_sha = dict(((r, p), s) for r, p, s in con.execute("SELECT root, path, sha256 FROM files").fetchall())
+        local_sha = {(r, p): s for r, p, s in con.execute(rel).fetchall()}
     with duckdb.connect(db, read_only=True) as con:
-        same = [(r, p) for r, p, s in con.execute("SELECT root, path, sha256 FROM files").fetchall()
-                if local_sha.get((r, p)) == s and s]
+        same = [(r, p) for r, p, s in con.execute(rel).fetchall() if s and local_sha.get((r, p)) == s]
     assert any("worker-" in p for _, p in same)
-    keys = " OR ".join(f"(t.root = '{r}' AND t.path = '{p}')" for r, p in same)
-    assert_same_rows(db, local_db, keys)
+    keys = " OR ".join(f"(t.root = '{r}' AND t._path = '{p}')" for r, p in same)
+    assert_same_rows(db, local_db, keys, below_path=True)
 
 
 def _node_data(tmp_path: Path, big_files_on_b: int = 0) -> Path:
@@ -440,7 +446,7 @@ def test_cluster_parts_destination_loaded_and_views_only(cluster, s3, tmp_path, 
     run.close()
     # the commands that open the database themselves read the parts too (on S3 through fsspec)
     assert api.diagnose(views).headline() == api.diagnose(loaded).headline()
-    assert api.report(views, str(tmp_path / "views.html")).bytes > 0
+    assert api.report(views, str(tmp_path / "views.html"), run="b").bytes > 0  # one run of the three (PATHs)
     pipeline.ingest([str(data / n) for n in ("head", "a", "b")], local_db, workers=1)
     assert_same_rows(loaded, local_db)
     assert_same_rows(views, local_db)
@@ -515,7 +521,7 @@ def test_cluster_node_killed_mid_ingest_names_its_missing_files_and_a_rerun_comp
     assert killed
     (message,) = [m for m in summary.messages if "node b failed" in m]
     with duckdb.connect(db, read_only=True) as con:
-        have = {(n, p) for n, p in con.execute("SELECT node, path FROM files").fetchall()}
+        have = {(n, p.rsplit("/", 1)[-1]) for n, p in con.execute("SELECT node, path FROM files").fetchall()}  # past the PATH's name
     planned_b = {f.name for f in (data / "b").iterdir()}
     missing = {p for p in planned_b if ("b", p) not in have}
     assert missing and all(p in message for p in missing)
