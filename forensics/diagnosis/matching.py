@@ -6,7 +6,7 @@ patterns and restrictions) to the candidates only. Each match becomes a :class:`
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import duckdb
 import polars as pl
@@ -83,12 +83,10 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
             FROM g GROUP BY file_id, grp HAVING count(*) > 1""")
 
 
-def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
-    """Rule hits: one row per (rule, line), at most MAX_HITS_PER_RULE_FILE per rule and file.
-
-    The one scan of ``lines`` keeps, in the TEMP table ``diag_candidates``, the lines that
-    contain a rule keyword or match one of the ``extra`` patterns (read by later steps).
-    A hard-wrapped logical line is matched whole, at its first physical line."""
+def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> None:
+    """The one scan of ``lines``: the TEMP table ``diag_candidates`` of the lines that contain
+    a rule keyword or match one of the ``extra`` patterns (read by later steps too). A
+    hard-wrapped logical line is matched whole, at its first physical line."""
     wrapped_records(con)
     msg = "coalesce(w.message, l.message)"
     # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
@@ -105,16 +103,42 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
-    if not any(r.patterns for r in rules):
-        return pl.DataFrame()
-    # rules without line patterns match fatal events only (event_hits)
+
+
+def _hits_sql(rules: list[Rule]) -> str:
+    """The rule hits over ``diag_candidates``: one row per (rule, line), at most
+    MAX_HITS_PER_RULE_FILE per rule and file, in (file, line, rule) order."""
     union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns)
-    q = f"""
+    return f"""
         WITH m AS ({union}),
         k AS (SELECT * FROM m QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
         SELECT k.rule_idx, c.* FROM k JOIN diag_candidates c USING (file_id, line_no)
         ORDER BY c.file_id, c.line_no, k.rule_idx"""
-    return pl.from_arrow(con.sql(q).to_arrow_table())
+
+
+def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
+    """Rule hits (:func:`_hits_sql`), one frame; fills ``diag_candidates`` first."""
+    frames = list(match_batches(con, rules, extra))
+    return pl.concat(frames, how="vertical") if frames else pl.DataFrame()
+
+
+HIT_BATCH = 20_000  # hit rows fetched from DuckDB at a time
+
+
+def match_batches(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> Iterator[pl.DataFrame]:
+    """:func:`match`'s rows, in order, as frames of at most HIT_BATCH rows: the hits of a big
+    run are never all in Arrow at once. Fills ``diag_candidates`` first; none without line
+    patterns (such rules match fatal events only: event_hits)."""
+    candidates(con, rules, extra)
+    if not any(r.patterns for r in rules):
+        return
+    reader = con.sql(_hits_sql(rules)).to_arrow_reader(HIT_BATCH)
+    got = False
+    for batch in reader:
+        got = True
+        yield pl.from_arrow(batch)
+    if not got:
+        yield pl.from_arrow(reader.schema.empty_table())
 
 
 def extract(h: Hit, extra: str = "") -> None:
@@ -134,17 +158,24 @@ def extract(h: Hit, extra: str = "") -> None:
 def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     """Every rule hit on a line (the candidates table is left for later stages)."""
     rules = cat.rules
-    df = match(con, rules, cat.rank_zero_prints)
     out: list[Hit] = []
-    for row in df.iter_rows(named=True):
-        r = rules[row["rule_idx"]]
-        h = Hit(rule=r, file_id=row["file_id"], path=row["path"], fmt=row["format"], line_no=row["line_no"],
-                ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
-                actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
-                event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
-                text=row["text"], line_message=row["line_message"])
-        extract(h)
-        out.append(h)
+    # one string object for equal values: a line's text, message and physical message are
+    # mostly the same string, and its path and values are those of the line's other hits
+    shared: dict[str, str] = {}
+    for df in match_batches(con, rules, cat.rank_zero_prints):
+        for row in df.iter_rows(named=True):
+            for k in ("path", "format", "ts_quality", "level", "header", "actor", "node", "message", "line_message", "text"):
+                v = row[k]
+                if v is not None:
+                    row[k] = shared.setdefault(v, v)
+            r = rules[row["rule_idx"]]
+            h = Hit(rule=r, file_id=row["file_id"], path=row["path"], fmt=row["format"], line_no=row["line_no"],
+                    ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
+                    actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
+                    event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
+                    text=row["text"], line_message=row["line_message"])
+            extract(h)
+            out.append(h)
     return out
 
 
@@ -213,7 +244,9 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     if not rules:
         return []
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
-    rows = con.execute(
+    # held as Arrow, made Python objects a batch at a time (the loop below queries ``con``,
+    # which would end a result still being fetched)
+    events = con.sql(
         f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
                    l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
                    coalesce(w.last_record > e.last_line, false) AS went_on
@@ -225,13 +258,10 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                        WHERE header IS NOT NULL AND event_line IS NULL
                          AND file_id IN (SELECT file_id FROM fatal_events)
                        GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
-            ORDER BY e.file_id, e.line_no""").fetchall()
+            ORDER BY e.file_id, e.line_no""").to_arrow_table()
     driver = set(cat.causality.driver_actors)
-    names = [*EVENT_COLUMNS, "path", "format", "file_pid", "ts", "ts_quality", "level", "header", "l_actor", "l_pid",
-             "l_node", "l_rank", "l_message", "l_text", "went_on"]
     out: list[Hit] = []
-    for row in rows:
-        e = dict(zip(names, row))
+    for e in (e for batch in events.to_batches(HIT_BATCH) for e in batch.to_pylist()):
         memo: dict[str, bool] = {}
 
         def preceded(rx: str, e=e, memo=memo) -> bool:

@@ -217,7 +217,9 @@ def of_hits(hits: Iterable["Hit"]) -> When:
 
 # -- internal records --------------------------------------------------------------------
 
-@dataclass
+# slots: a run with many failing files holds hundreds of thousands of hits at once, and a
+# per-instance __dict__ cost about as much as the strings they carry
+@dataclass(slots=True)
 class Hit:
     rule: Rule
     file_id: int
