@@ -155,6 +155,12 @@ def extract(h: Hit, extra: str = "") -> None:
 
 
 
+def nccl_text(header: str | None, text: str | None) -> str | None:
+    """What a hit keeps of its raw line: only an NCCL line's (Hit.cuda_dev reads the device in
+    its header); the diagnosis reads ``message`` otherwise, and a big run has many hits."""
+    return text if header == "nccl" else None
+
+
 def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     """Every rule hit on a line (the candidates table is left for later stages)."""
     rules = cat.rules
@@ -173,7 +179,7 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
                     actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
                     event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
-                    text=row["text"], line_message=row["line_message"])
+                    text=nccl_text(row["header"], row["text"]), line_message=row["line_message"])
             extract(h)
             out.append(h)
     return out
@@ -281,13 +287,13 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
-                    file_pid=e["file_pid"], text=e["l_text"])
+                    file_pid=e["file_pid"], text=nccl_text(e["header"], e["l_text"]))
             cited = _matched_frame_line(r.exception, e)
             if cited is not None and cited != h.line_no:
                 h.line_no = cited  # no exception line: the frame that says what failed
                 row = con.execute("SELECT message, text FROM lines WHERE file_id = ? AND line_no = ?", [e["file_id"], cited]).fetchone()
                 if row:
-                    h.message, h.text = row[0] or "", row[1]
+                    h.message, h.text = row[0] or "", nccl_text(h.header, row[1])
             h.event = e
             if e["exc_type"]:
                 h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
@@ -296,6 +302,8 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
             out.append(h)
         out += _raised_hits(cat, e)
+        for k in ("l_text", "l_message"):  # in its hits now: what later stages read of ``e`` is the event's own
+            del e[k]
     return out
 
 
@@ -331,7 +339,7 @@ def _raised_hits(cat: Catalogue, e: dict) -> list[Hit]:
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=text, file_pid=e["file_pid"],
-                    text=e["l_text"], line_message=e["l_message"])
+                    text=nccl_text(e["header"], e["l_text"]), line_message=e["l_message"])
             h.event = e
             extract(h)
             out.append(h)
