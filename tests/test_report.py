@@ -208,12 +208,18 @@ def test_every_evidence_line_opens_its_context(tmp_path, monkeypatch):
 def test_diagnosis_first_on_a_big_database_gives_the_same_page(tmp_path, monkeypatch):
     """Over PARALLEL_DIAGNOSIS_MAX_LINES lines the diagnosis runs before the phase views
     instead of beside them (memory: bench/bench_memory.py): the page says the same."""
+    import duckdb
+
+    from forensics.store import DB_MEMORY, REPORT_DB_MEMORY
+
+    monkeypatch.delenv("FORENSICS_DB_MEMORY", raising=False)
     db = build_db(tmp_path, "phase_straggler")
     calls = []
     real = rp._diagnosis
 
     def diagnosis(con):
-        calls.append(threading.current_thread().name.startswith("forensics-report"))
+        limit = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        calls.append((threading.current_thread().name.startswith("forensics-report"), limit))
         return real(con)
 
     monkeypatch.setattr(rp, "_diagnosis", diagnosis)
@@ -224,6 +230,13 @@ def test_diagnosis_first_on_a_big_database_gives_the_same_page(tmp_path, monkeyp
         rp.write_report(db, out)
         # the page's generation time is the one thing allowed to differ
         pages[limit] = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "TIME", out.read_text())
-    assert calls == [True, False]  # beside the phase views in a thread, then first, on the caller's thread
+    # beside the phase views in a thread, then first, on the caller's thread and under the
+    # diagnosis' own DuckDB limit (the report's is given back for the phase views)
+    probe = duckdb.connect()
+    limits = []
+    for value in (REPORT_DB_MEMORY, DB_MEMORY):
+        probe.execute("SET memory_limit = ?", [value])
+        limits.append(probe.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    assert calls == [(True, limits[0]), (False, limits[1])]
     assert "root cause" in pages[0].lower()
     assert pages[0] == pages[10**9]
