@@ -40,13 +40,17 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
-from .store import (REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, pick_run, restrict_to_run,
+from .store import (DB_MEMORY, REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, pick_run, restrict_to_run,
                     restricted_run, set_memory_limit)
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
 GRID_BINS = 2_000  # time bins per lane when the timeline is aggregated
 MAX_STEP_BARS = 300  # steps drawn as stacked bars; more as a stacked area
+# Up to this many log lines the diagnosis runs beside the phase views' materialisation; on a
+# bigger database it runs first, on its own: the hits it holds in Python and the phase tables
+# DuckDB holds would otherwise add up (bench/bench_memory.py: 1 GB of logs)
+PARALLEL_DIAGNOSIS_MAX_LINES = 1_000_000
 MAX_INVENTORY = 2_000
 MAX_EVIDENCE = 40
 
@@ -797,11 +801,24 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
     try:
         restrict_to_run(diag_con, restricted_run(con))  # a cursor has TEMP views of its own: the same run
         diag_con.execute("SET enable_progress_bar = false").fetchall()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-report") as pool:
-            diag_future = pool.submit(_diagnosis, diag_con)
+        (n_lines,) = con.execute("SELECT count(*) FROM lines").fetchall()[0]
+        if n_lines > PARALLEL_DIAGNOSIS_MAX_LINES:
+            # under the diagnosis' own DuckDB limit (as `forensics diagnose`): the report's
+            # larger one is for the phase views, and DuckDB would fill it while the hits are held
+            report_limit = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+            set_memory_limit(con, DB_MEMORY)
+            try:
+                diag, diag_note = _diagnosis(diag_con)
+            finally:
+                con.execute("SET memory_limit = ?", [report_limit])
             with ph.cached(con):
-                diag, diag_note = diag_future.result()
                 content = _content(con, diag, diag_note)
+        else:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-report") as pool:
+                diag_future = pool.submit(_diagnosis, diag_con)
+                with ph.cached(con):
+                    diag, diag_note = diag_future.result()
+                    content = _content(con, diag, diag_note)
     finally:
         diag_con.close()
         con.execute(f"SET threads = {int(threads)}")

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import polars as pl
@@ -202,3 +203,40 @@ def test_every_evidence_line_opens_its_context(tmp_path, monkeypatch):
     ev = next(t for t in embedded_data(page)["figures"]["timeline"]["data"] if t["name"] == "evidence")
     assert ev["customdata"] == ["ctx-e0", "ctx-e1", "ctx-e2"]
     assert "openContext(pt.customdata)" in page  # a click on a marker opens it
+
+
+def test_diagnosis_first_on_a_big_database_gives_the_same_page(tmp_path, monkeypatch):
+    """Over PARALLEL_DIAGNOSIS_MAX_LINES lines the diagnosis runs before the phase views
+    instead of beside them (memory: bench/bench_memory.py): the page says the same."""
+    import duckdb
+
+    from forensics.store import DB_MEMORY, REPORT_DB_MEMORY
+
+    monkeypatch.delenv("FORENSICS_DB_MEMORY", raising=False)
+    db = build_db(tmp_path, "phase_straggler")
+    calls = []
+    real = rp._diagnosis
+
+    def diagnosis(con):
+        limit = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+        calls.append((threading.current_thread().name.startswith("forensics-report"), limit))
+        return real(con)
+
+    monkeypatch.setattr(rp, "_diagnosis", diagnosis)
+    pages = {}
+    for limit in (10**9, 0):
+        monkeypatch.setattr(rp, "PARALLEL_DIAGNOSIS_MAX_LINES", limit)
+        out = tmp_path / f"r{limit}.html"
+        rp.write_report(db, out)
+        # the page's generation time is the one thing allowed to differ
+        pages[limit] = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", "TIME", out.read_text())
+    # beside the phase views in a thread, then first, on the caller's thread and under the
+    # diagnosis' own DuckDB limit (the report's is given back for the phase views)
+    probe = duckdb.connect()
+    limits = []
+    for value in (REPORT_DB_MEMORY, DB_MEMORY):
+        probe.execute("SET memory_limit = ?", [value])
+        limits.append(probe.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    assert calls == [(True, limits[0]), (False, limits[1])]
+    assert "root cause" in pages[0].lower()
+    assert pages[0] == pages[10**9]

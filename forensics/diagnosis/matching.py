@@ -6,7 +6,7 @@ patterns and restrictions) to the candidates only. Each match becomes a :class:`
 from __future__ import annotations
 
 import re
-from typing import Callable, Iterable, NamedTuple
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import duckdb
 import polars as pl
@@ -84,12 +84,10 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
             FROM g GROUP BY file_id, grp HAVING count(*) > 1""")
 
 
-def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
-    """Rule hits: one row per (rule, line), at most MAX_HITS_PER_RULE_FILE per rule and file.
-
-    The one scan of ``lines`` keeps, in the TEMP table ``diag_candidates``, the lines that
-    contain a rule keyword or match one of the ``extra`` patterns (read by later steps).
-    A hard-wrapped logical line is matched whole, at its first physical line."""
+def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> None:
+    """The one scan of ``lines``: the TEMP table ``diag_candidates`` of the lines that contain
+    a rule keyword or match one of the ``extra`` patterns (read by later steps too). A
+    hard-wrapped logical line is matched whole, at its first physical line."""
     wrapped_records(con)
     msg = "coalesce(w.message, l.message)"
     # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
@@ -106,16 +104,42 @@ def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
-    if not any(r.patterns for r in rules):
-        return pl.DataFrame()
-    # rules without line patterns match fatal events only (event_hits)
+
+
+def _hits_sql(rules: list[Rule]) -> str:
+    """The rule hits over ``diag_candidates``: one row per (rule, line), at most
+    MAX_HITS_PER_RULE_FILE per rule and file, in (file, line, rule) order."""
     union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns)
-    q = f"""
+    return f"""
         WITH m AS ({union}),
         k AS (SELECT * FROM m QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
         SELECT k.rule_idx, c.* FROM k JOIN diag_candidates c USING (file_id, line_no)
         ORDER BY c.file_id, c.line_no, k.rule_idx"""
-    return pl.from_arrow(con.sql(q).to_arrow_table())
+
+
+def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
+    """Rule hits (:func:`_hits_sql`), one frame; fills ``diag_candidates`` first."""
+    frames = list(match_batches(con, rules, extra))
+    return pl.concat(frames, how="vertical") if frames else pl.DataFrame()
+
+
+HIT_BATCH = 20_000  # hit rows fetched from DuckDB at a time
+
+
+def match_batches(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> Iterator[pl.DataFrame]:
+    """:func:`match`'s rows, in order, as frames of at most HIT_BATCH rows: the hits of a big
+    run are never all in Arrow at once. Fills ``diag_candidates`` first; none without line
+    patterns (such rules match fatal events only: event_hits)."""
+    candidates(con, rules, extra)
+    if not any(r.patterns for r in rules):
+        return
+    reader = con.sql(_hits_sql(rules)).to_arrow_reader(HIT_BATCH)
+    got = False
+    for batch in reader:
+        got = True
+        yield pl.from_arrow(batch)
+    if not got:
+        yield pl.from_arrow(reader.schema.empty_table())
 
 
 def extract(h: Hit, extra: str = "") -> None:
@@ -132,20 +156,33 @@ def extract(h: Hit, extra: str = "") -> None:
 
 
 
+def nccl_text(header: str | None, text: str | None) -> str | None:
+    """What a hit keeps of its raw line: only an NCCL line's (Hit.cuda_dev reads the device in
+    its header); the diagnosis reads ``message`` otherwise, and a big run has many hits."""
+    return text if header == "nccl" else None
+
+
 def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     """Every rule hit on a line (the candidates table is left for later stages)."""
     rules = cat.rules
-    df = match(con, rules, cat.rank_zero_prints)
     out: list[Hit] = []
-    for row in df.iter_rows(named=True):
-        r = rules[row["rule_idx"]]
-        h = Hit(rule=r, file_id=row["file_id"], path=row["path"], fmt=row["format"], line_no=row["line_no"],
-                ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
-                actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
-                event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
-                text=row["text"], line_message=row["line_message"])
-        extract(h)
-        out.append(h)
+    # one string object for equal values: a line's text, message and physical message are
+    # mostly the same string, and its path and values are those of the line's other hits
+    shared: dict[str, str] = {}
+    for df in match_batches(con, rules, cat.rank_zero_prints):
+        for row in df.iter_rows(named=True):
+            for k in ("path", "format", "ts_quality", "level", "header", "actor", "node", "message", "line_message", "text"):
+                v = row[k]
+                if v is not None:
+                    row[k] = shared.setdefault(v, v)
+            r = rules[row["rule_idx"]]
+            h = Hit(rule=r, file_id=row["file_id"], path=row["path"], fmt=row["format"], line_no=row["line_no"],
+                    ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
+                    actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
+                    event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
+                    text=nccl_text(row["header"], row["text"]), line_message=row["line_message"])
+            extract(h)
+            out.append(h)
     return out
 
 
@@ -229,7 +266,9 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     if not rules:
         return []
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
-    rows = con.execute(
+    # held as Arrow, made Python objects a batch at a time (the loop below queries ``con``,
+    # which would end a result still being fetched)
+    events = con.sql(
         f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
                    l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
                    coalesce(w.last_record > e.last_line, false) AS went_on
@@ -241,13 +280,10 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                        WHERE header IS NOT NULL AND event_line IS NULL
                          AND file_id IN (SELECT file_id FROM fatal_events)
                        GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
-            ORDER BY e.file_id, e.line_no""").fetchall()
+            ORDER BY e.file_id, e.line_no""").to_arrow_table()
     driver = set(cat.causality.driver_actors)
-    names = [*EVENT_COLUMNS, "path", "format", "file_pid", "ts", "ts_quality", "level", "header", "l_actor", "l_pid",
-             "l_node", "l_rank", "l_message", "l_text", "went_on"]
     out: list[Hit] = []
-    for row in rows:
-        e = dict(zip(names, row))
+    for e in (e for batch in events.to_batches(HIT_BATCH) for e in batch.to_pylist()):
         fields = event_fields(e)
         memo: dict[str, bool] = {}
 
@@ -268,13 +304,13 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
-                    file_pid=e["file_pid"], text=e["l_text"])
+                    file_pid=e["file_pid"], text=nccl_text(e["header"], e["l_text"]))
             cited = _matched_frame_line(r.exception, e)
             if cited is not None and cited != h.line_no:
                 h.line_no = cited  # no exception line: the frame that says what failed
                 row = con.execute("SELECT message, text FROM lines WHERE file_id = ? AND line_no = ?", [e["file_id"], cited]).fetchone()
                 if row:
-                    h.message, h.text = row[0] or "", row[1]
+                    h.message, h.text = row[0] or "", nccl_text(h.header, row[1])
             h.event = e
             if e["exc_type"]:
                 h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
@@ -283,6 +319,8 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
             out.append(h)
         out += _raised_hits(cat, e)
+        for k in ("l_text", "l_message"):  # in its hits now: what later stages read of ``e`` is the event's own
+            del e[k]
     return out
 
 
@@ -318,7 +356,7 @@ def _raised_hits(cat: Catalogue, e: dict) -> list[Hit]:
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=text, file_pid=e["file_pid"],
-                    text=e["l_text"], line_message=e["l_message"])
+                    text=nccl_text(e["header"], e["l_text"]), line_message=e["l_message"])
             h.event = e
             extract(h)
             out.append(h)

@@ -217,7 +217,9 @@ def of_hits(hits: Iterable["Hit"]) -> When:
 
 # -- internal records --------------------------------------------------------------------
 
-@dataclass
+# slots: a run with many failing files holds hundreds of thousands of hits at once, and a
+# per-instance __dict__ cost about as much as the strings they carry
+@dataclass(slots=True)
 class Hit:
     rule: Rule
     file_id: int
@@ -235,7 +237,7 @@ class Hit:
     event_line: int | None
     message: str
     file_pid: int | None = None
-    text: str | None = None
+    text: str | None = None  # the raw line, of an NCCL line only (cuda_dev reads its header); None for others
     task_pid: int | None = None  # the worker named by the Ray task header this traceback is printed under
     groups: dict[str, str] = field(default_factory=dict)
     ts_hi: datetime | None = None
