@@ -211,14 +211,16 @@ def give_way(ctx: Context, pool: list[Event]) -> tuple[list[Event], list[Event]]
     """Split ``pool`` into the events that stand and those that give way to another event
     of the pool (``causality.gives_way``)."""
     gave: list[Event] = []
+    gone: set[Event] = set()  # the same events, for membership (an event is equal only to itself)
     for gw in ctx.causality.gives_way:
         for e in pool:
-            if e.cls != gw.cls or e in gave:
+            if e.cls != gw.cls or e in gone:
                 continue
-            if any(f is not e and f not in gave and f.cls != e.cls and ("any" in gw.to or f.cls in gw.to)
+            if any(f is not e and f not in gone and f.cls != e.cls and ("any" in gw.to or f.cls in gw.to)
                    and _explains(f, e, gw.window_s) for f in pool):
                 gave.append(e)
-    return [e for e in pool if e not in gave], gave
+                gone.add(e)
+    return [e for e in pool if e not in gone], gave
 
 
 def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: RunFacts) -> Choice:
@@ -236,8 +238,9 @@ def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: 
     fallbacks = [e for e in fallbacks if e.weight > 0.3 or not training_went_on(e, facts)]
     causes = [e for e in causes if not (e.generic and training_went_on(e, facts))]
     standing, gave = give_way(ctx, causes + fallbacks)
-    causes = [e for e in causes if e in standing]
-    fallbacks = [e for e in fallbacks if e in standing]
+    stand = set(standing)
+    causes = [e for e in causes if e in stand]
+    fallbacks = [e for e in fallbacks if e in stand]
     symptoms = symptoms + gave
     end_ts = max((h.ts for h in ends if h.ts is not None), default=None)
     stop_ts = stops[0].ts if stops else None
