@@ -453,8 +453,11 @@ def _write_cache(key: str, cat: "Catalogue") -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for old in folder.glob("catalogue-*.pickle"):  # other versions' entries
-            if old != path and time.time() - old.stat().st_mtime > _CACHE_KEEP_S:
-                old.unlink(missing_ok=True)
+            try:
+                if old != path and time.time() - old.stat().st_mtime > _CACHE_KEEP_S:
+                    old.unlink()
+            except FileNotFoundError:  # another command removed it first
+                continue
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".catalogue-", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as out:

@@ -911,13 +911,20 @@ def _views_with_runs(con, bodies: dict[str, str]) -> None:
     the same code, in a scratch database that holds what it reads (the files, the pids
     of the driver logs, the runs found before, whose ids stay), and the answer is kept in
     :data:`VIEW_RUNS` and :data:`VIEW_FILE_RUNS`."""
+    cur = con.cursor()  # a connection of its own: the caller's may hold a result not read to its end
+    try:
+        _record_view_runs(cur, bodies)
+    finally:
+        cur.close()
+
+
+def _record_view_runs(con, bodies: dict[str, str]) -> None:
     from .runs import DRIVER_FORMATS
     from .store import RUNS, insert_sql
 
     def arrow(c, query: str) -> pa.Table:
         return c.sql(query).to_arrow_table()
 
-    con = con.cursor()  # a connection of its own: the caller's may hold a result not read to its end
     files_cols = ", ".join(f'"{c.name}"' for c in FILES.columns)
     with tempfile.TemporaryDirectory(prefix="forensics-runs-") as tmp:
         scratch = Store(os.path.join(tmp, "runs.duckdb"), defer_views=True)
