@@ -928,8 +928,8 @@ def _record_view_runs(con, bodies: dict[str, str]) -> None:
     files_cols = ", ".join(f'"{c.name}"' for c in FILES.columns)
     with tempfile.TemporaryDirectory(prefix="forensics-runs-") as tmp:
         scratch = Store(os.path.join(tmp, "runs.duckdb"), defer_views=True)
+        s = scratch.con.cursor()  # as above
         try:
-            s = scratch.con.cursor()  # as above
             s.register("_files_in", arrow(con, f"SELECT {files_cols} FROM ({bodies['files']})"))
             s.execute(insert_sql(FILES, "_files_in")).fetchall()
             s.unregister("_files_in")
@@ -951,6 +951,7 @@ def _record_view_runs(con, bodies: dict[str, str]) -> None:
             runs = arrow(s, "SELECT * FROM runs ORDER BY run_id")
             file_runs = arrow(s, "SELECT file_id, path, run_id FROM files")
         finally:
+            s.close()
             scratch.close()
     con.register("_runs_out", runs)
     con.register("_file_runs_out", file_runs)
