@@ -26,7 +26,7 @@ from . import export as export_mod
 from . import phases as phases_mod
 from . import pipeline
 from .errors import ForensicsError
-from .store import DB_MEMORY, NoSuchRun, SettingError, Store, StoreError, set_memory_limit
+from .store import DB_MEMORY, NoSuchRun, SettingError, Store, StoreError, memory_limit
 
 if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a second of imports
     from .catalogue import Catalogue
@@ -171,7 +171,7 @@ class Run:
         except ImportError:
             return None
         try:
-            with _memory_limit(self.con, DB_MEMORY):
+            with memory_limit(self.con, DB_MEMORY):
                 return dg.diagnose(con=self.con, performance=False).headline()
         except dg.NothingToDiagnose as exc:
             return f"nothing to diagnose ({exc})"
@@ -185,19 +185,6 @@ class Run:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _memory_limit(con: duckdb.DuckDBPyConnection, default: str):
-    """``FORENSICS_DB_MEMORY`` (else ``default``) as DuckDB's memory limit for the block,
-    the connection's own limit again after it. DuckDB would otherwise cache up to 80% of
-    RAM while the diagnosis scans every line (store.DB_MEMORY says what was measured)."""
-    before = con.execute("SELECT current_setting('memory_limit')").fetchone()[0]
-    set_memory_limit(con, default)
-    try:
-        yield
-    finally:
-        con.execute("SET memory_limit = ?", [before])
 
 
 def open(db: str | os.PathLike = "forensics.duckdb", write: bool = False) -> Run:  # noqa: A001

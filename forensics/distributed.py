@@ -919,6 +919,7 @@ def _views_with_runs(con, bodies: dict[str, str]) -> None:
 
 
 def _record_view_runs(con, bodies: dict[str, str]) -> None:
+    from . import sql_modules
     from .runs import DRIVER_FORMATS
     from .store import RUNS, insert_sql
 
@@ -933,9 +934,7 @@ def _record_view_runs(con, bodies: dict[str, str]) -> None:
             s.register("_files_in", arrow(con, f"SELECT {files_cols} FROM ({bodies['files']})"))
             s.execute(insert_sql(FILES, "_files_in")).fetchall()
             s.unregister("_files_in")
-            ((had_runs,),) = con.execute("SELECT count(*) FROM duckdb_tables() WHERE schema_name = 'main' AND table_name = ?",
-                                         [VIEW_RUNS]).fetchall()
-            if had_runs:
+            if sql_modules.has_main_table(con, VIEW_RUNS):
                 runs_cols = ", ".join(f'"{c.name}"' for c in RUNS.columns)
                 s.register("_runs_in", arrow(con, f"SELECT {runs_cols} FROM main.{VIEW_RUNS}"))
                 s.execute(insert_sql(RUNS, "_runs_in")).fetchall()

@@ -40,8 +40,8 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
-from .store import (DB_MEMORY, REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, pick_run, restrict_to_run,
-                    restricted_run, set_memory_limit)
+from .store import (DB_MEMORY, REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, memory_limit, pick_run,
+                    restrict_to_run, restricted_run, set_memory_limit)
 
 MAX_SEGMENTS = 15_000  # spans drawn one by one on the timeline; beyond, a grid of time bins
 EXACT_BARS = 3_000  # up to this many, each span is a hoverable bar; beyond, thin line segments
@@ -805,12 +805,8 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
         if n_lines > PARALLEL_DIAGNOSIS_MAX_LINES:
             # under the diagnosis' own DuckDB limit (as `forensics diagnose`): the report's
             # larger one is for the phase views, and DuckDB would fill it while the hits are held
-            report_limit = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
-            set_memory_limit(con, DB_MEMORY)
-            try:
+            with memory_limit(con, DB_MEMORY):
                 diag, diag_note = _diagnosis(diag_con)
-            finally:
-                con.execute("SET memory_limit = ?", [report_limit])
             with ph.cached(con):
                 content = _content(con, diag, diag_note)
         else:

@@ -94,6 +94,19 @@ def set_memory_limit(con: duckdb.DuckDBPyConnection, default: str = DB_MEMORY) -
     """Apply ``FORENSICS_DB_MEMORY`` (else ``default``) to ``con``."""
     apply_setting(con, "memory_limit", "FORENSICS_DB_MEMORY", os.environ.get("FORENSICS_DB_MEMORY", default))
 
+
+@contextlib.contextmanager
+def memory_limit(con: duckdb.DuckDBPyConnection, default: str = DB_MEMORY):
+    """``FORENSICS_DB_MEMORY`` (else ``default``) as DuckDB's memory limit for the block,
+    the connection's own limit again after it. DuckDB would otherwise cache up to 80% of
+    RAM while the diagnosis scans every line (DB_MEMORY says what was measured)."""
+    before = con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+    set_memory_limit(con, default)
+    try:
+        yield
+    finally:
+        con.execute("SET memory_limit = ?", [before]).fetchall()
+
 FILES = Table(
     "files",
     "One row per ingested file: what it is, how much of it was read, and what went wrong.",
@@ -774,13 +787,18 @@ def diagnosable_runs(con: duckdb.DuckDBPyConnection) -> list[RunRow]:
     return [RunRow(int(a), b, c, d, e, int(f)) for a, b, c, d, e, f in rows]
 
 
+def main_relations(con: duckdb.DuckDBPyConnection) -> set[str]:
+    """The tables and views the database itself holds (not the connection's TEMP ones):
+    a views-only database's tables are views over its parts."""
+    return {r[0] for r in con.execute(
+        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database() "
+        "UNION SELECT view_name FROM duckdb_views() WHERE schema_name = 'main' AND database_name = current_database() "
+        "AND NOT temporary").fetchall()}
+
+
 def has_table(con: duckdb.DuckDBPyConnection, name: str) -> bool:
-    """Whether the database has the table ``name``, or a view of that name (a views-only
-    database's tables are views over its parts)."""
-    return bool(con.execute(
-        "SELECT (SELECT count(*) FROM duckdb_tables() WHERE table_name = $1 AND schema_name = 'main' AND database_name = current_database())"
-        " + (SELECT count(*) FROM duckdb_views() WHERE view_name = $1 AND schema_name = 'main' AND database_name = current_database()"
-        " AND NOT temporary)", [name]).fetchall()[0][0])
+    """Whether the database has the table ``name``, or a view of that name (:func:`main_relations`)."""
+    return name in main_relations(con)
 
 
 class NoSuchRun(LookupError):
@@ -810,10 +828,7 @@ def restrict_to_run(con: duckdb.DuckDBPyConnection, run_id: int | None) -> None:
     db = con.execute("SELECT current_database()").fetchone()[0]
     quoted = '"' + db.replace('"', '""') + '"'
     names = [FILES.name, RUNS.name] + [t.name for t in all_tables() if t.columns and t.columns[0].name == "file_id" and t.name != FILES.name]
-    have = {r[0] for r in con.execute(  # views too: a views-only database's tables are views over its parts
-        "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND database_name = current_database() "
-        "UNION SELECT view_name FROM duckdb_views() WHERE schema_name = 'main' AND database_name = current_database() "
-        "AND NOT temporary").fetchall()}
+    have = main_relations(con)
     for name in names:
         if name not in have:
             continue

@@ -19,6 +19,14 @@ def sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+def keyword_sql(column: str, cs: Iterable[str], ci: Iterable[str] = ()) -> str | None:
+    """The substring test a regex's keywords make (catalogue.derive_keywords: case-sensitive
+    ``cs``, case-insensitive ``ci``), ``(contains(...) OR ...)`` over ``column``; None without
+    keywords. Cheap, it keeps the regexes off most rows."""
+    kw = [f"contains({column}, {sql_str(k)})" for k in cs] + [f"contains(lower({column}), {sql_str(k.lower())})" for k in ci]
+    return "(" + " OR ".join(kw) + ")" if kw else None
+
+
 def run_traits(formats: Counter) -> set[str]:
     """What the run is made of, as rules ask for it (``requires: [run:ray]``,
     ``class_if_present: {run:ray: ...}``): ``run:<software>`` for every software whose
@@ -337,10 +345,9 @@ class RunConfig:
                     cs, ci = derive_keywords([pat], f"engine_args.{engine}")
                 except SignatureError:
                     cs, ci = (), ()
-                kw = [("contains(message, ?)", k) for k in cs] + [("contains(lower(message), ?)", k.lower()) for k in ci]
-                pre = "(" + " OR ".join(c for c, _ in kw) + ") AND " if kw else ""
-                for (msg,) in con.execute(f"SELECT message FROM lines WHERE {pre}regexp_matches(message, ?) "
-                                          "ORDER BY file_id, line_no LIMIT 50", [k for _, k in kw] + [pat]).fetchall():
+                pre = keyword_sql("message", cs, ci)
+                for (msg,) in con.execute(f"SELECT message FROM lines WHERE {pre + ' AND ' if pre else ''}regexp_matches(message, ?) "
+                                          "ORDER BY file_id, line_no LIMIT 50", [pat]).fetchall():
                     m = rx.search(msg or "")
                     try:
                         args = ast.literal_eval(m.group("args")) if m else None

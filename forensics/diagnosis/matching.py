@@ -13,7 +13,7 @@ import polars as pl
 
 from .. import catalogue as sig
 from ..catalogue import Catalogue, ExceptionMatch, Rule
-from .facts import sql_str
+from .facts import keyword_sql, sql_str
 from .model import Hit
 
 MAX_HITS_PER_RULE_FILE = 2000
@@ -25,9 +25,8 @@ def _any_regex(column: str, patterns: Iterable[str]) -> str:
 
 def _rule_sql(idx: int, r: Rule) -> str:
     # the rule's own keywords first: a cheap substring test keeps the regexes off most rows
-    kw = [f"contains(message, {sql_str(k)})" for k in r.keywords]
-    kw += [f"contains(lower(message), {sql_str(k.lower())})" for k in r.keywords_ci]
-    conds = ["(" + " OR ".join(kw) + ")"] if kw else []
+    kw = keyword_sql("message", r.keywords, r.keywords_ci)
+    conds = [kw] if kw else []
     conds.append(_any_regex("message", r.patterns))
     if r.negative:
         conds.append("NOT " + _any_regex("message", r.negative))
@@ -95,8 +94,7 @@ def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterabl
     conds = [f"regexp_matches({msg}, {sql_str(sig.prefilter_regex(r for r in rules if r.patterns))})"]
     for p in extra:
         cs, ci = sig.derive_keywords([p], "extra pattern")
-        kw = [f"contains({msg}, {sql_str(k)})" for k in cs] + [f"contains(lower({msg}), {sql_str(k.lower())})" for k in ci]
-        conds.append(f"(({' OR '.join(kw)}) AND regexp_matches({msg}, {sql_str(p)}))")
+        conds.append(f"({keyword_sql(msg, cs, ci)} AND regexp_matches({msg}, {sql_str(p)}))")
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_candidates AS
             SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.level, l.header, l.logger, l.actor, l.pid, l.node,
