@@ -371,10 +371,18 @@ def _count_read(n: int) -> None:
 
 
 class _HashingReader:
-    """Wrap a raw file: hash every byte read, remember the last one, count it (_READ_METER)."""
+    """Wrap a raw file: hash every byte read, remember the last one, count it (_READ_METER).
+
+    A block is counted when the next one is read, i.e. once the parser has moved on from
+    it; the last block is never counted here, the file's loading counts the whole file.
+    So the progress never reaches the total before the last file is loaded, and two
+    parser processes that read their files at the same moment cannot make it jump from 0
+    to the end between two reports: files of one block move it as each is loaded, bigger
+    ones with every block too."""
 
     def __init__(self, fh, hasher):
         self.fh, self.hasher, self.last, self.count = fh, hasher, b"", 0
+        self.uncounted = 0  # the bytes of the block read last, for the meter
 
     def read(self, n: int = -1) -> bytes:
         data = self.fh.read(n)
@@ -382,7 +390,9 @@ class _HashingReader:
             self.hasher.update(data)
             self.last = data[-1:]
             self.count += len(data)
-            _count_read(len(data))
+            if self.uncounted:
+                _count_read(self.uncounted)
+            self.uncounted = len(data)
         return data
 
     def readinto(self, b):  # for gzip / io wrappers
@@ -659,8 +669,7 @@ def parse_job(job: list[FileTask], spool: str, debug: bool = False) -> JobResult
     for task in job:
         try:
             with open(task.abs_path, "rb") as fh:
-                data = fh.read(BATCH_READ_LIMIT + 1)
-            _count_read(len(data))
+                data = fh.read(BATCH_READ_LIMIT + 1)  # not metered: read before any is parsed, counted when loaded
         except OSError:
             alone.append(task)  # vanished or unreadable: parse_one reports it
             continue

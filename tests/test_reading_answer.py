@@ -191,7 +191,7 @@ def test_ingest_progress_is_in_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "TICK_S", 0.0)
     logs = tmp_path / "logs"
     line = "2026-03-01 10:31:59,120 INFO step 1 of the trainer, nothing to see here\n"
-    _write(logs / "big.log", line * 40_000)  # ~3 MB: read in several pieces
+    _write(logs / "big.log", line * 40_000)  # ~3 MB: one block of the text parser
     _write(logs / "small.log", line * 3)
     total = sum(p.stat().st_size for p in logs.iterdir())
     calls: list[tuple[int, int, str]] = []
@@ -203,7 +203,24 @@ def test_ingest_progress_is_in_bytes(tmp_path, monkeypatch):
         assert {t for _, t, _ in calls} == {total} and calls[-1][0] == total
         dones = [d for d, _, _ in calls]
         assert dones == sorted(dones)
-        assert any(0 < d < total for d in dones), calls  # the bar moves while the files are read
+        # the bar moves as the files are loaded, not only at the end (it did, 1 run in 2,
+        # when both parser processes had read their file before the next report)
+        assert any(0 < d < total for d in dones), calls
+
+
+def test_progress_counts_a_block_once_the_parser_moved_on(monkeypatch):
+    """Within a big file the bar moves block by block; a block counts when the next one
+    is asked for, the last one with the file's loading (never before it is parsed)."""
+    import hashlib
+    import io
+
+    from forensics import pipeline
+
+    counted: list[int] = []
+    monkeypatch.setattr(pipeline, "_count_read", counted.append)
+    reader = pipeline._HashingReader(io.BytesIO(b"x" * 25), hashlib.sha256())
+    assert [len(reader.read(10)) for _ in range(4)] == [10, 10, 5, 0]
+    assert counted == [10, 10] and reader.count == 25
 
 
 def test_summary_time_counts_the_diagnosis_and_no_spinner_on_a_pipe(tmp_path):
