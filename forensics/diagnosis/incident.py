@@ -122,18 +122,20 @@ def fatal_event_of(ctx: Context, root: Event) -> tuple[dict, str] | None:
     """The fatal event the root cause shows in (an exception rule's event, else the event
     whose lines hold the cited line), with the path of its file."""
     o = root.origin
-    for h in [o, *root.hits]:
-        if h.event is not None:
-            return h.event, h.path
-    if o.line_no is None:
-        return None
     cols = ", ".join(("file_id", "line_no", "last_line", "exc_line", "kind", "exc_type", "message", "wrapper",
                       "wrapped_type", "frames", "package", "user_frame", "outer_type", "outer_message"))
-    row = ctx.con.execute(f"SELECT {cols} FROM fatal_events WHERE file_id = ? AND ? BETWEEN line_no AND last_line "
-                          "ORDER BY line_no DESC LIMIT 1", [o.file_id, o.line_no]).fetchone()
-    if row is None:
+    for h in [o, *root.hits]:
+        if h.event is not None:  # its hits keep a few fields of the event (matching.EVENT_KEPT): the row
+            rows = ctx.con.execute(f"SELECT {cols} FROM fatal_events WHERE file_id = ? AND line_no = ?",
+                                   [h.event["file_id"], h.event["line_no"]]).fetchall()
+            return (dict(zip(cols.split(", "), rows[0])) if rows else h.event), h.path
+    if o.line_no is None:
         return None
-    return dict(zip(cols.split(", "), row)), o.path
+    rows = ctx.con.execute(f"SELECT {cols} FROM fatal_events WHERE file_id = ? AND ? BETWEEN line_no AND last_line "
+                           "ORDER BY line_no DESC LIMIT 1", [o.file_id, o.line_no]).fetchall()
+    if not rows:
+        return None
+    return dict(zip(cols.split(", "), rows[0])), o.path
 
 
 def exception_of(ctx: Context, root: Event) -> dict | None:

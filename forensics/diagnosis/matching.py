@@ -98,7 +98,12 @@ def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterabl
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_candidates AS
             SELECT l.file_id, l.line_no, l.ts, l.ts_quality, l.level, l.header, l.logger, l.actor, l.pid, l.node,
-                   l.rank, l.event_line, {msg} AS message, l.message AS line_message, l.text, f.path, f.format, f.pid AS file_pid
+                   l.rank, l.event_line, {msg} AS message,
+                   -- kept small (a big run has hundreds of thousands of candidates): the physical
+                   -- line's message only where a wrapped record stands for it, the raw text only
+                   -- of NCCL lines (what a hit keeps of it: nccl_text)
+                   CASE WHEN w.message IS NOT NULL THEN l.message END AS line_message,
+                   CASE WHEN l.header = 'nccl' THEN l.text END AS text, f.path, f.format, f.pid AS file_pid
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
@@ -178,7 +183,8 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     ts=row["ts"], ts_quality=row["ts_quality"], level=row["level"], header=row["header"],
                     actor=row["actor"], pid=row["pid"], node=row["node"], rank=row["rank"],
                     event_line=row["event_line"], message=row["message"] or "", file_pid=row["file_pid"],
-                    text=nccl_text(row["header"], row["text"]), line_message=row["line_message"])
+                    text=nccl_text(row["header"], row["text"]),
+                    line_message=row["message"] if row["line_message"] is None else row["line_message"])
             extract(h)
             out.append(h)
     return out
@@ -317,9 +323,20 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
             out.append(h)
         out += _raised_hits(cat, e)
-        for k in ("l_text", "l_message"):  # in its hits now: what later stages read of ``e`` is the event's own
-            del e[k]
+        if out and out[-1].event is e:
+            # what later stages read of a matched event on its hits: its key and where it was
+            # raised (the root cause's whole row, frames and chain, is read again by
+            # incident.fatal_event_of); a big run has thousands of matched events
+            slim = {k: e[k] for k in EVENT_KEPT}
+            for h in reversed(out):
+                if h.event is not e:
+                    break
+                h.event = slim
     return out
+
+
+# the fields of a fatal event its hits keep (``Hit.event``)
+EVENT_KEPT = ("file_id", "line_no", "exc_line", "kind", "exc_type", "wrapper", "package", "user_frame")
 
 
 def _matched_frame_line(m: ExceptionMatch, e: dict) -> int | None:

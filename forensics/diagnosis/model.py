@@ -248,7 +248,7 @@ class Hit:
     rank_source: str | None = None
     step: int | None = None
     alarm: detectors.Alarm | None = None
-    event: dict | None = None  # the fatal_events row an exception rule matched (None: a line rule's hit)
+    event: dict | None = None  # fields of the fatal_events row an exception rule matched (matching.EVENT_KEPT; None: a line rule's hit)
     line_message: str | None = None  # the physical line's message when ``message`` is a hard-wrapped line joined
 
     @property
