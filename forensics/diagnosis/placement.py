@@ -3,6 +3,7 @@ traceback it belongs to, and the interval its time lies in (lines without a stam
 own inherited the previous one: the truth lies between that and the next stamp)."""
 from __future__ import annotations
 
+import bisect
 import re
 from collections import defaultdict
 
@@ -31,8 +32,10 @@ def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
     loose = [(h.file_id, h.line_no) for h in hits if h.event_line is None and h.line_no]
     if loose:
         prev = keyed_rows(ctx, "_diag_loose", loose, "line_no",
-                          """SELECT n.file_id, n.line_no, max(l.event_line) FROM _diag_loose n JOIN lines l
-                             ON l.file_id = n.file_id AND l.line_no BETWEEN n.line_no - 3 AND n.line_no - 1
+                          # the lines before each, by equality (a range join of a big file's lines is slow)
+                          """SELECT n.file_id, n.line_no, max(l.event_line)
+                             FROM (SELECT file_id, line_no, unnest(range(line_no - 3, line_no)) AS prev FROM _diag_loose) n
+                             JOIN lines l ON l.file_id = n.file_id AND l.line_no = n.prev
                              WHERE l.event_line IS NOT NULL GROUP BY n.file_id, n.line_no""")
         near = {(a, b): c for a, b, c in prev}
         for h in hits:
@@ -78,13 +81,7 @@ def attach_task_pids(ctx: Context, hits: list[Hit]) -> None:
 
 def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
     task_methods = facts.task_methods
-    bodies_by_proc: dict[int, list[Hit]] = defaultdict(list)
-    bodies_by_file: dict[int, list[Hit]] = defaultdict(list)
-    for h in hits:
-        if h.body and h.proc is not None:
-            bodies_by_proc[h.proc].append(h)
-        if h.body:
-            bodies_by_file[h.file_id].append(h)
+    near = _NearBodies(ctx, hits)
     first_metric_line = {fid: ln for fid, ln in ctx.con.execute(
         "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
     for h in hits:
@@ -122,16 +119,8 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
         if ph is None and h.proc is not None:
             # the traceback of the same process: the same failure copied to another file,
             # or the exception a failing line leads to a few lines later
-            def near(o: Hit) -> tuple:
-                same = o.rule.id == h.rule.id
-                return (not same, o.file_id != h.file_id, abs((o.line_no or 0) - (h.line_no or 0)))
-            for o in sorted(bodies_by_proc.get(h.proc, []), key=near):
-                if o.rule.id != h.rule.id and (o.file_id != h.file_id or abs((o.line_no or 0) - (h.line_no or 0)) > 40):
-                    continue
-                ph = ctx.phase_of(o.body, frames_only=True)
-                if ph:
-                    src = "frames"
-                    break
+            ph = near.of_process(h)
+            src = "frames" if ph else None
         if ph is None and h.proc is not None and h.proc in task_methods:
             ph, src = ctx.phase_of(task_methods[h.proc]), "ray_task"
         if ph is None and h.actor:  # the role the actor plays (a reference model only runs forwards)
@@ -142,17 +131,79 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
             src = "message" if ph else None
         if ph is None and h.event_line is None:
             # the traceback a failing line leads to a few lines later in the same file, whoever printed it
-            for o in sorted(bodies_by_file.get(h.file_id, []), key=lambda o: (o.line_no or 0)):
-                if 0 < (o.line_no or 0) - (h.line_no or 0) <= 40:
-                    ph = ctx.phase_of(o.body, frames_only=True)
-                    if ph:
-                        src = "frames"
-                        break
+            ph = near.after_in_file(h)
+            src = "frames" if ph else None
         h.phase, h.phase_source = ph, src
     _recent_activity(ctx, [h for h in hits if h.phase is None and h.event_line is None and h.line_no])
     for h in hits:
         if h.phase is None and facts.before_first_step(h, first_metric_line):
             h.phase, h.phase_source = "init", "before_first_step"
+
+
+NEAR_LINES = 40  # how far (in lines) a traceback of another rule's hit still tells a hit's phase
+
+
+class _NearBodies:
+    """The hits with a traceback body whose frames imply a phase, indexed for :func:`place`:
+    which one tells the phase of a hit whose own body does not (the nearest, as below).
+    Each lookup reads only the candidates of one process, rule or file near the line, by
+    bisection: a big run has thousands of bodies per process (a sort of all of them for
+    every hit took minutes on the 1 GB bench database)."""
+
+    def __init__(self, ctx: Context, hits: list[Hit]):
+        self.by_rule: dict[tuple, list] = defaultdict(list)  # (proc, rule) -> [(line, index, file, phase)]
+        self.by_rule_file: dict[tuple, list] = defaultdict(list)  # (proc, rule, file) -> [(line, index, phase)]
+        self.by_proc_file: dict[tuple, list] = defaultdict(list)  # (proc, file) -> [(line, index, rule, phase)]
+        self.by_file: dict[int, list] = defaultdict(list)  # file -> [(line, index, phase)]
+        for i, o in enumerate(hits):
+            if not o.body:
+                continue
+            ph = ctx.phase_of(o.body, frames_only=True)
+            if not ph:
+                continue
+            line, proc = o.line_no or 0, o.proc
+            self.by_file[o.file_id].append((line, i, ph))
+            if proc is not None:
+                self.by_rule[(proc, o.rule.id)].append((line, i, o.file_id, ph))
+                self.by_rule_file[(proc, o.rule.id, o.file_id)].append((line, i, ph))
+                self.by_proc_file[(proc, o.file_id)].append((line, i, o.rule.id, ph))
+        for index in (self.by_rule, self.by_rule_file, self.by_proc_file, self.by_file):
+            for rows in index.values():
+                rows.sort()
+        self.lines = {id(rows): [r[0] for r in rows]
+                      for index in (self.by_rule, self.by_rule_file, self.by_proc_file, self.by_file) for rows in index.values()}
+
+    def _window(self, rows: list, lo: int, hi: int) -> list:
+        keys = self.lines[id(rows)]
+        return rows[bisect.bisect_left(keys, lo):bisect.bisect_right(keys, hi)]
+
+    def of_process(self, h: Hit) -> str | None:
+        """The phase of the nearest body of ``h``'s process: of the same rule in the same file
+        (any distance), else of the same rule in another file, else of another rule within
+        NEAR_LINES lines in the same file; the nearer line first, then the earlier hit."""
+        line, proc = h.line_no or 0, h.proc
+        same_file = self.by_rule_file.get((proc, h.rule.id, h.file_id))
+        if same_file:
+            return min(same_file, key=lambda r: (abs(r[0] - line), r[1]))[2]
+        other = self.by_rule.get((proc, h.rule.id))
+        if other:  # none of them in h's file (those would be in same_file)
+            return min(other, key=lambda r: (abs(r[0] - line), r[1]))[3]
+        rows = self.by_proc_file.get((proc, h.file_id))
+        if rows:
+            near = [r for r in self._window(rows, line - NEAR_LINES, line + NEAR_LINES) if r[2] != h.rule.id]
+            if near:
+                return min(near, key=lambda r: (abs(r[0] - line), r[1]))[3]
+        return None
+
+    def after_in_file(self, h: Hit) -> str | None:
+        """The phase of the first body in ``h``'s file that starts 1 to NEAR_LINES lines
+        after it, whoever printed it."""
+        rows = self.by_file.get(h.file_id)
+        if not rows:
+            return None
+        line = h.line_no or 0
+        after = self._window(rows, line + 1, line + NEAR_LINES)
+        return after[0][2] if after else None
 
 
 def _recent_activity(ctx: Context, hits: list[Hit], back: int = 10) -> None:
@@ -162,8 +213,8 @@ def _recent_activity(ctx: Context, hits: list[Hit], back: int = 10) -> None:
         return
     rows = keyed_rows(ctx, "_diag_recent", {(h.file_id, h.line_no) for h in hits}, "line_no",
                       f"""SELECT n.file_id, n.line_no, string_agg(l.message, chr(10) ORDER BY l.line_no)
-                          FROM _diag_recent n JOIN lines l ON l.file_id = n.file_id
-                           AND l.line_no BETWEEN n.line_no - {int(back)} AND n.line_no - 1
+                          FROM (SELECT file_id, line_no, unnest(range(line_no - {int(back)}, line_no)) AS prev FROM _diag_recent) n
+                          JOIN lines l ON l.file_id = n.file_id AND l.line_no = n.prev
                           WHERE l.event_line IS NULL GROUP BY n.file_id, n.line_no""")
     before = {(a, b): c for a, b, c in rows}
     for h in hits:
