@@ -135,3 +135,10 @@ def test_an_agent_trainers_generation_loop_is_the_rollout(markers):
               ("/work/agent/verl/utils/torch_functional.py", 361, "postprocess_data", "raise NotImplementedError(msg)"),
               exc="NotImplementedError: sequence_length=5393 is larger than max_length=4096")
     assert phase_of(text, markers, frames_only=True) == "rollout"
+
+
+def test_megatron_lm_initialising_is_the_start_up(markers):
+    text = tb(("/work/Megatron-LM/megatron/training/training.py", 254, "pretrain", "initialize_megatron("),
+              ("/work/Megatron-LM/megatron/training/initialize.py", 158, "_compile_dependencies", "torch.distributed.barrier()"),
+              exc="RuntimeError: HIP error: invalid device function")
+    assert phase_of(text, markers, frames_only=True) == "init"
