@@ -75,3 +75,70 @@ def test_a_trainer_method_other_than_its_constructor_is_not_the_start_up(markers
     text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 1000, "fit", "self._validate()"),
               ("/work/verl/trainer/ppo/ray_trainer.py", 700, "_validate", "output = self.val_reward_fn(batch)"))
     assert phase_of(text, markers, frames_only=True) != "init"
+
+
+# A reward function handed on as an argument by a driver frame (old verl's
+# `ray.get(main_task.remote(config, compute_score))`, a keyword `reward_fn=reward_fn`) is not
+# the reward running: the phase comes from what the frames below do.
+PASSED_ON = ("/work/verl/trainer/main_ppo.py", 105, "run_ppo", "ray.get(main_task.remote(config, compute_score))")
+HANDED_AS_KEYWORD = ("/work/app/entry.py", 40, "main", "launch(cfg, reward_fn=reward_fn, val_reward_fn=val_reward_fn)")
+
+
+@pytest.mark.parametrize("outer", [PASSED_ON, HANDED_AS_KEYWORD], ids=["positional", "keyword"])
+@pytest.mark.parametrize("inner, phase", [
+    (("/work/verl/workers/rollout/vllm_rollout.py", 181, "generate_sequences", "output = self.inference_engine.generate("), "rollout"),
+    (("/work/verl/workers/actor/dp_actor.py", 260, "update_policy", "loss.backward()"), "train"),
+], ids=["rollout", "train"])
+def test_a_reward_function_passed_as_an_argument_is_not_the_reward(markers, outer, inner, phase):
+    text = tb(outer, ("/work/verl/trainer/ppo/ray_trainer.py", 700, "fit", "batch = self.step(batch)"), inner,
+              exc="torch.OutOfMemoryError: CUDA out of memory.")
+    assert phase_of(text, markers, frames_only=True) == phase
+
+
+@pytest.mark.parametrize("frame", [
+    ("/work/rewards/my_math.py", 17, "compute_score", "return float(pred == gt)"),
+    ("/work/verl/workers/reward/naive.py", 44, "__call__", "score = compute_score(solution_str=s, ground_truth=g)"),
+    ("/work/app/trainer.py", 90, "fit", "rewards = self.reward_fn (batch)"),
+], ids=["its-frame", "called", "called-with-space"])
+def test_a_reward_function_that_runs_is_the_reward(markers, frame):
+    text = tb(("/work/app/trainer.py", 80, "fit", "batch = self.generate(batch)"), frame, exc="KeyError: 'answer'")
+    assert phase_of(text, markers, frames_only=True) == "reward"
+
+
+# vLLM V1's engine-core process lives in run_engine_core: it builds the engine there
+# (EngineCoreProc(...), start-up) and then serves requests in its busy loop (the rollout).
+ENGINE_CORE = ("/env/site-packages/vllm/v1/engine/core.py", 691, "run_engine_core", "engine_core.run_busy_loop()")
+
+
+def test_an_engine_core_failing_in_its_busy_loop_is_the_rollout(markers):
+    serving = tb(ENGINE_CORE,
+                 ("/env/site-packages/vllm/v1/engine/core.py", 718, "run_busy_loop", "self._process_engine_step()"),
+                 ("/env/site-packages/vllm/v1/executor/multiproc_executor.py", 243, "get_response", "raise RuntimeError("),
+                 exc="RuntimeError: Worker failed with error 'CUDA error: an illegal memory access was encountered")
+    assert phase_of(serving, markers, frames_only=True) == "rollout"
+    front_end = tb(("/env/site-packages/vllm/v1/engine/async_llm.py", 439, "output_handler", "outputs = await engine_core.get_output_async()"),
+                   ("/env/site-packages/vllm/v1/engine/core_client.py", 843, "get_output_async", "raise self._format_exception(outputs) from None"),
+                   exc="vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.")
+    assert phase_of(front_end, markers, frames_only=True) == "rollout"
+
+
+def test_an_engine_core_failing_while_it_is_built_is_the_start_up(markers):
+    building = tb(("/env/site-packages/vllm/v1/engine/core.py", 1482, "run_engine_core", "engine_core = EngineCoreProc(*args, **kwargs)"),
+                  ("/env/site-packages/vllm/v1/core/kv_cache_utils.py", 700, "check_enough_kv_cache_memory", "raise ValueError("),
+                  exc="ValueError: To serve at least one request with the model's max seq len")
+    assert phase_of(building, markers, frames_only=True) == "init"
+
+
+def test_an_agent_trainers_generation_loop_is_the_rollout(markers):
+    text = tb(("/work/agent/src/agent_ray_trainer.py", 912, "fit", "final_gen_batch_output = generation_manager.run_llm_loop("),
+              ("/work/agent/llm_agent/generation.py", 287, "run_llm_loop", "next_obs_ids = self._process_next_obs(next_obs)"),
+              ("/work/agent/verl/utils/torch_functional.py", 361, "postprocess_data", "raise NotImplementedError(msg)"),
+              exc="NotImplementedError: sequence_length=5393 is larger than max_length=4096")
+    assert phase_of(text, markers, frames_only=True) == "rollout"
+
+
+def test_megatron_lm_initialising_is_the_start_up(markers):
+    text = tb(("/work/Megatron-LM/megatron/training/training.py", 254, "pretrain", "initialize_megatron("),
+              ("/work/Megatron-LM/megatron/training/initialize.py", 158, "_compile_dependencies", "torch.distributed.barrier()"),
+              exc="RuntimeError: HIP error: invalid device function")
+    assert phase_of(text, markers, frames_only=True) == "init"

@@ -29,7 +29,8 @@ SELECT
     TRY_CAST(nullif(regexp_extract(message, 'ran for (\d+) milliseconds', 1), '') AS BIGINT) AS ran_ms,
     message
 FROM lines
-WHERE contains(message, 'Watchdog caught collective operation timeout: WorkNCCL(SeqNum=')
+WHERE (contains(message, 'Watchdog caught collective operation timeout: WorkNCCL(SeqNum=')
+       OR contains(message, 'Watchdog caught collective operation timeout: WorkHCCL(SeqNum='))  -- torch_npu
   AND NOT contains(message, 'thread terminated with exception')
   AND NOT regexp_matches(message, '^\s*what\(\)')
   AND NOT contains(message, 'DistBackendError');
