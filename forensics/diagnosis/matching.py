@@ -269,25 +269,9 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     rules = [r for r in cat.rules if r.exception is not None]
     if not rules:
         return []
-    cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
-    # held as Arrow, made Python objects a batch at a time (the loop below queries ``con``,
-    # which would end a result still being fetched)
-    events = con.sql(
-        f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
-                   l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
-                   coalesce(w.last_record > e.last_line, false) AS went_on
-            FROM fatal_events e JOIN files f USING (file_id)
-            LEFT JOIN lines l ON l.file_id = e.file_id AND l.line_no = e.exc_line
-            -- the last log record its process wrote in the file (a line with a header of its
-            -- own, outside any event): did the process go on after the exception?
-            LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
-                       WHERE header IS NOT NULL AND event_line IS NULL
-                         AND file_id IN (SELECT file_id FROM fatal_events)
-                       GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
-            ORDER BY e.file_id, e.line_no""").to_arrow_table()
     driver = set(cat.causality.driver_actors)
     out: list[Hit] = []
-    for e in (e for batch in events.to_batches(HIT_BATCH) for e in batch.to_pylist()):
+    for e in _events(con):
         fields = event_fields(e)
         memo: dict[str, bool] = {}
 
@@ -337,6 +321,48 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
 
 # the fields of a fatal event its hits keep (``Hit.event``)
 EVENT_KEPT = ("file_id", "line_no", "exc_line", "kind", "exc_type", "wrapper", "package", "user_frame")
+
+
+def _event_pages(con: duckdb.DuckDBPyConnection) -> list[tuple[int, int]]:
+    """Ranges of file ids holding about HIT_BATCH fatal events each (a file's events stay
+    in one range), in file order."""
+    pages: list[tuple[int, int]] = []
+    lo, n = None, 0
+    for fid, count in con.execute("SELECT file_id, count(*) FROM fatal_events GROUP BY file_id ORDER BY file_id").fetchall():
+        lo = fid if lo is None else lo
+        n += count
+        if n >= HIT_BATCH:
+            pages.append((lo, fid))
+            lo, n = None, 0
+    if lo is not None:
+        pages.append((lo, fid))
+    return pages
+
+
+def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
+    """The fatal events with what the matchers read of their exception line and process, in
+    (file, line) order, one dict each. Fetched a range of files at a time (a big run has
+    hundreds of thousands, frames and chains included), each range whole before its dicts
+    are handed out: the caller queries ``con`` meanwhile, which would end a result still
+    being fetched."""
+    cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
+    for lo, hi in _event_pages(con):
+        events = con.sql(
+            f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
+                       l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
+                       coalesce(w.last_record > e.last_line, false) AS went_on
+                FROM fatal_events e JOIN files f USING (file_id)
+                LEFT JOIN lines l ON l.file_id = e.file_id AND l.line_no = e.exc_line
+                -- the last log record its process wrote in the file (a line with a header of its
+                -- own, outside any event): did the process go on after the exception?
+                LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
+                           WHERE header IS NOT NULL AND event_line IS NULL AND file_id BETWEEN $lo AND $hi
+                             AND file_id IN (SELECT file_id FROM fatal_events)
+                           GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
+                WHERE e.file_id BETWEEN $lo AND $hi
+                ORDER BY e.file_id, e.line_no""", params={"lo": lo, "hi": hi}).to_arrow_table()
+        for batch in events.to_batches(HIT_BATCH):
+            yield from batch.to_pylist()
 
 
 def _matched_frame_line(m: ExceptionMatch, e: dict) -> int | None:
