@@ -146,15 +146,15 @@ NEAR_LINES = 40  # how far (in lines) a traceback of another rule's hit still te
 class _NearBodies:
     """The hits with a traceback body whose frames imply a phase, indexed for :func:`place`:
     which one tells the phase of a hit whose own body does not (the nearest, as below).
-    Each lookup reads only the candidates of one process, rule or file near the line, by
-    bisection: a big run has thousands of bodies per process (a sort of all of them for
-    every hit took minutes on the 1 GB bench database)."""
+    Each lookup reads only the candidates of one process and rule, or the few near the line
+    in one file (by bisection): a sort of every body of the process for every hit took
+    minutes on the 1 GB bench database."""
 
     def __init__(self, ctx: Context, hits: list[Hit]):
         self.by_rule: dict[tuple, list] = defaultdict(list)  # (proc, rule) -> [(line, index, file, phase)]
         self.by_rule_file: dict[tuple, list] = defaultdict(list)  # (proc, rule, file) -> [(line, index, phase)]
-        self.by_proc_file: dict[tuple, list] = defaultdict(list)  # (proc, file) -> [(line, index, rule, phase)]
-        self.by_file: dict[int, list] = defaultdict(list)  # file -> [(line, index, phase)]
+        by_proc_file: dict[tuple, list] = defaultdict(list)  # (proc, file) -> [(line, index, rule, phase)]
+        by_file: dict[int, list] = defaultdict(list)  # file -> [(line, index, phase)]
         for i, o in enumerate(hits):
             if not o.body:
                 continue
@@ -162,19 +162,18 @@ class _NearBodies:
             if not ph:
                 continue
             line, proc = o.line_no or 0, o.proc
-            self.by_file[o.file_id].append((line, i, ph))
+            by_file[o.file_id].append((line, i, ph))
             if proc is not None:
                 self.by_rule[(proc, o.rule.id)].append((line, i, o.file_id, ph))
                 self.by_rule_file[(proc, o.rule.id, o.file_id)].append((line, i, ph))
-                self.by_proc_file[(proc, o.file_id)].append((line, i, o.rule.id, ph))
-        for index in (self.by_rule, self.by_rule_file, self.by_proc_file, self.by_file):
-            for rows in index.values():
-                rows.sort()
-        self.lines = {id(rows): [r[0] for r in rows]
-                      for index in (self.by_rule, self.by_rule_file, self.by_proc_file, self.by_file) for rows in index.values()}
+                by_proc_file[(proc, o.file_id)].append((line, i, o.rule.id, ph))
+        # the two read by line window: sorted, with their lines apart for bisect
+        self.by_proc_file = {k: _sorted_by_line(rows) for k, rows in by_proc_file.items()}
+        self.by_file = {k: _sorted_by_line(rows) for k, rows in by_file.items()}
 
-    def _window(self, rows: list, lo: int, hi: int) -> list:
-        keys = self.lines[id(rows)]
+    @staticmethod
+    def _window(indexed: tuple[list, list], lo: int, hi: int) -> list:
+        keys, rows = indexed
         return rows[bisect.bisect_left(keys, lo):bisect.bisect_right(keys, hi)]
 
     def of_process(self, h: Hit) -> str | None:
@@ -188,9 +187,9 @@ class _NearBodies:
         other = self.by_rule.get((proc, h.rule.id))
         if other:  # none of them in h's file (those would be in same_file)
             return min(other, key=lambda r: (abs(r[0] - line), r[1]))[3]
-        rows = self.by_proc_file.get((proc, h.file_id))
-        if rows:
-            near = [r for r in self._window(rows, line - NEAR_LINES, line + NEAR_LINES) if r[2] != h.rule.id]
+        indexed = self.by_proc_file.get((proc, h.file_id))
+        if indexed:
+            near = [r for r in self._window(indexed, line - NEAR_LINES, line + NEAR_LINES) if r[2] != h.rule.id]
             if near:
                 return min(near, key=lambda r: (abs(r[0] - line), r[1]))[3]
         return None
@@ -198,12 +197,17 @@ class _NearBodies:
     def after_in_file(self, h: Hit) -> str | None:
         """The phase of the first body in ``h``'s file that starts 1 to NEAR_LINES lines
         after it, whoever printed it."""
-        rows = self.by_file.get(h.file_id)
-        if not rows:
+        indexed = self.by_file.get(h.file_id)
+        if not indexed:
             return None
         line = h.line_no or 0
-        after = self._window(rows, line + 1, line + NEAR_LINES)
+        after = self._window(indexed, line + 1, line + NEAR_LINES)
         return after[0][2] if after else None
+
+
+def _sorted_by_line(rows: list[tuple]) -> tuple[list, list]:
+    rows = sorted(rows)  # (line, index, ...): by line, then hit order
+    return [r[0] for r in rows], rows
 
 
 def _recent_activity(ctx: Context, hits: list[Hit], back: int = 10) -> None:
