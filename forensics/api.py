@@ -20,15 +20,18 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import duckdb
-import polars as pl
 
-from . import export as export_mod
-from . import phases as phases_mod
-from . import pipeline
+from .database import DB_MEMORY, NoSuchRun, SettingError, StoreError, memory_limit
 from .errors import ForensicsError
-from .store import DB_MEMORY, NoSuchRun, SettingError, Store, StoreError, memory_limit
 
-if TYPE_CHECKING:  # imported where used: the diagnosis and the report are a second of imports
+# Imported where used: polars, pyarrow and the parsers (the store, the ingest, the phase
+# views and the exports) are half a second of imports that reading a diagnosis of a small
+# database does without, as are the diagnosis and the report for the other commands.
+if TYPE_CHECKING:
+    import polars as pl
+
+    from . import export as export_mod
+    from . import pipeline
     from .catalogue import Catalogue
     from .diagnose import Diagnosis
     from .evaluate import EvalReport
@@ -46,6 +49,9 @@ class Run:
     def __init__(self, db: str | os.PathLike = "forensics.duckdb", write: bool = False):
         if not write and not os.path.exists(db):
             raise _no_database(db)
+        from . import phases as phases_mod
+        from .store import Store
+
         self.db = str(db)
         try:
             self.store = Store(self.db, read_only=not write)
@@ -59,6 +65,8 @@ class Run:
         """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas). DuckDB's
         own errors (syntax, unknown table, ...) come as they are; :func:`query` turns
         them into :class:`ForensicsError`."""
+        import polars as pl
+
         rel = self.con.sql(query, params=params) if params else self.con.sql(query)
         if rel is None:  # a statement without a result (DDL, INSERT, ...)
             return pl.DataFrame()
@@ -92,6 +100,8 @@ class Run:
         long = self.sql(f"SELECT step, key, value, value_text, ts, reports FROM step_metrics {where} ORDER BY step, key", params or None)
         if not wide:
             return long
+        import polars as pl
+
         if long.is_empty():
             return pl.DataFrame(schema={"step": pl.Int64})
         return long.pivot(on="key", index="step", values="value", aggregate_function="first", sort_columns=True).sort("step")
@@ -107,6 +117,8 @@ class Run:
 
     def export_parquet(self, out_dir: str | os.PathLike, tables: list[str] | None = None) -> dict[str, int]:
         """Write every table (or ``tables``) as ``<out_dir>/<table>.parquet``; returns rows per table."""
+        from . import export as export_mod
+
         return export_mod.parquet(self.con, out_dir, tables)
 
     def export_chrome_trace(
@@ -117,19 +129,27 @@ class Run:
         """Write one merged Chrome/Perfetto trace of all ranks (phase spans, kernels,
         annotations, warning/error log lines) to ``path``; see :func:`forensics.export.chrome_trace`.
         ``categories``: ``trace_events.category`` values to include (None: the defaults)."""
+        from . import export as export_mod
+
         return export_mod.chrome_trace(self.con, path, categories=categories or export_mod.DEFAULT_CATEGORIES)
 
     def phases(self) -> pl.DataFrame:
         """Seconds per (rank, step, phase, sub_phase) with their source (view ``phases``)."""
+        from . import phases as phases_mod
+
         return phases_mod.phases(self.con)
 
     def phase_steps(self) -> pl.DataFrame:
         """One row per (rank, step): rollout/reward/train/sync/other/idle seconds, step time,
         GPU busy/idle and collective waits where traces exist (view ``phase_steps``)."""
+        from . import phases as phases_mod
+
         return phases_mod.phase_steps(self.con)
 
     def timeline(self) -> pl.DataFrame:
         """Every phase span with wall-clock bounds in µs since the epoch (view ``phase_timeline``)."""
+        from . import phases as phases_mod
+
         return phases_mod.timeline(self.con)
 
     def findings(self) -> list[dict]:
@@ -237,6 +257,8 @@ def ingest(
         raise ForensicsError("give PATHS to ingest (only the Ray engine reads the cluster's own logs without them)")
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    from . import pipeline
+
     return _ingested(db, debug, (), lambda: pipeline.ingest(
         [str(p) for p in paths], str(db), workers=workers, progress=progress, debug=debug, exclude=exclude, add=add))
 
@@ -244,6 +266,8 @@ def ingest(
 def _ingested(db, debug: bool, user_errors: tuple, run_ingest: Callable[[], pipeline.IngestSummary]) -> Run:
     """Run an engine's ingest, its user errors (and ``user_errors``) as :class:`ForensicsError`,
     and return the database opened read-only with the summary as ``last_ingest``."""
+    from . import pipeline
+
     try:
         summary = run_ingest()
     except (StoreError, pipeline.IngestError, *user_errors) as exc:

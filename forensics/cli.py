@@ -38,12 +38,63 @@ if TYPE_CHECKING:
 STARTED = time.perf_counter()  # the command's start, near enough (imports before it: a few tenths of a second)
 
 
+def _plain_values(param):
+    """Our parameters are strings, flags, whole numbers and lists of strings. typer (0.2x)
+    checks every value through a pydantic TypeAdapter that it builds for the parameter when
+    the command runs: with pydantic's own imports a twentieth of a second of every command,
+    more than the check itself is worth. Our parameters take the values as click parsed
+    them and check the numbers here (:func:`_plain_runtime_param`); any other annotation
+    goes to typer's own check."""
+    plain = _plain_runtime_param(param)
+    return plain if plain is not None else super(type(param), param).get_runtime_param()
+
+
+def _plain_runtime_param(param):
+    desc = getattr(param, "type_descriptor", None)
+    if desc is None:  # a typer without runtime coercion
+        return None
+    from typer._coercion import RuntimeParam
+    from typer._click.exceptions import BadParameter
+
+    annotation = desc.annotation
+    args = getattr(annotation, "__args__", ())
+    if getattr(annotation, "__origin__", None) is list and args == (str,):
+        kind = "strs"
+    elif annotation in (str, bool, int) or (args and set(args) == {str, type(None)}):
+        kind = "int" if annotation is int else "str"
+    else:
+        return None
+    info = desc.parameter_info
+
+    class _Plain(RuntimeParam):
+        def _coerce_value(self, value, param, ctx):
+            if kind == "strs":
+                return [str(v) for v in value]
+            if kind == "str" or isinstance(value, bool):
+                return value
+            try:
+                number = int(value)
+            except (TypeError, ValueError):
+                raise BadParameter("Input should be a valid integer", ctx=ctx, param=param) from None
+            if info.min is not None and number < info.min:
+                raise BadParameter(f"Input should be greater than or equal to {info.min}", ctx=ctx, param=param)
+            if info.max is not None and number > info.max:
+                raise BadParameter(f"Input should be less than or equal to {info.max}", ctx=ctx, param=param)
+            return number
+
+    return _Plain(parameter_info=info, annotation=annotation)
+
+
 class _ArgumentWithoutType(TyperArgument):
+    get_runtime_param = _plain_values
+
     def display_type(self, ctx):
         return None
 
 
 class _OptionWithoutType(TyperOption):
+    get_runtime_param = _plain_values
+
     def display_type(self, ctx):
         return None
 

@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-import polars as pl
-
 SOURCE_PREFERENCE = {"jsonl": 0, "console": 1}
 
 
@@ -137,17 +135,17 @@ def load_series(con, patterns: list[str], keys: list[str] | None = None,
     # a resumed run) keeps the earliest line. No timestamps: millions of datetime objects
     # would double the memory, and only the few alarms kept need theirs (_alarm_times)
     where = "" if files is None else f" AND file_id BETWEEN {int(files[0])} AND {int(files[1])}"
-    df = pl.from_arrow(con.sql(
-        f"""SELECT file_id, source, key, step, arg_min(value, line_no) AS value, min(line_no) AS line_no
-            FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)}){where}
-            GROUP BY ALL ORDER BY file_id, key, step""", params=keys).to_arrow_table())
-    ids = df["file_id"].unique().to_list()
+    # the steps of a (file, key) are distinct and ascending (one row per step, then listed in order)
+    grouped = con.execute(
+        f"""WITH p AS (SELECT file_id, source, key, step, arg_min(value, line_no) AS value, min(line_no) AS line_no
+                       FROM metrics WHERE step >= 1 AND key IN ({", ".join("?" for _ in keys)}){where}
+                       GROUP BY ALL)
+            SELECT file_id, source, key, list(step ORDER BY step), list(value ORDER BY step), list(line_no ORDER BY step)
+            FROM p GROUP BY file_id, source, key ORDER BY file_id, key, min(step), source""", keys).fetchall()
+    ids = sorted({g[0] for g in grouped})
     paths = dict(con.execute(f"SELECT file_id, path FROM files WHERE file_id IN ({', '.join(map(str, ids)) or 'NULL'})").fetchall())
-    grouped = df.group_by(["file_id", "source", "key"], maintain_order=True).agg("step", "value", "line_no")
-    del df
-    # (the query made steps distinct and ordered them within each group)
     return [Series.from_columns(key, file_id, paths[file_id], source, steps, values, lines)
-            for file_id, source, key, steps, values, lines in grouped.iter_rows()]
+            for file_id, source, key, steps, values, lines in grouped]
 
 
 def _alarm_times(con, alarms: list[Alarm]) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
-import polars as pl
 
 from . import phases as ph
 from .catalogue import load_yaml
@@ -32,8 +31,16 @@ def load_thresholds(path: str | Path = FINDINGS_YAML) -> dict[str, dict[str, Any
     return doc
 
 
-def _q(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
-    return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())  # type: ignore[return-value]
+def _q(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> list[dict]:
+    cur = con.execute(sql, params or [])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def _median(xs: list) -> float | None:
+    """The median of the values that are not null (None: there are none)."""
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
 def _fmt_steps(steps: list[int]) -> str:
@@ -51,7 +58,7 @@ def _metric_evidence(con: duckdb.DuckDBPyConnection, step: int, key_regex: str) 
         LEFT JOIN lines l ON l.file_id = m.file_id AND l.line_no = m.line_no
         WHERE m.step = ? AND regexp_matches(m.key, ?) AND m.line_no IS NOT NULL
         ORDER BY CASE m.source WHEN 'jsonl' THEN 0 ELSE 1 END, f.path, m.line_no LIMIT 1""", [step, key_regex])
-    return [{"file": r["path"], "line": r["line_no"], "text": r["text"]} for r in rows.iter_rows(named=True)]
+    return [{"file": r["path"], "line": r["line_no"], "text": r["text"]} for r in rows]
 
 
 def straggler_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
@@ -61,107 +68,105 @@ def straggler_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
                sum(seconds) - coalesce(sum(wait_s), 0) AS busy_s, sum(seconds) AS seconds
         FROM phases WHERE rank IS NOT NULL AND phase = ANY(?)
         GROUP BY rank, step, phase""", [list(cfg["phases"])])
-    if busy.is_empty():
+    if not busy:
         return []
-    late = _q(con, "SELECT rank, step, sum(late_s) AS late_s, any_value(coll_name) AS coll FROM phase_collectives GROUP BY rank, step")
-    late_by = {(r["rank"], r["step"]): r for r in late.iter_rows(named=True)}
-    # the median of the *other* ranks: exact for few ranks, the all-rank median otherwise
-    busy = busy.with_columns(
-        pl.len().over("step", "phase").alias("n"),
-        pl.col("busy_s").median().over("step", "phase").alias("all_med"),
-        pl.col("busy_s").sum().over("step", "phase").alias("all_sum"),
-    ).filter(pl.col("n") >= 2)
-    few = busy.filter(pl.col("n") <= 4)
-    if few.height:
-        peers = {}
-        for (step, phase), grp in few.group_by(["step", "phase"]):
-            vals = grp.select("rank", "busy_s").rows()
-            for rank, _ in vals:
-                peers[(step, phase, rank)] = statistics.median(v for r, v in vals if r != rank)
-        busy = busy.with_columns(
-            pl.struct("step", "phase", "rank").map_elements(
-                lambda k: peers.get((k["step"], k["phase"], k["rank"])), return_dtype=pl.Float64).alias("few_med"))
-    else:
-        busy = busy.with_columns(pl.lit(None, pl.Float64).alias("few_med"))
-    busy = busy.with_columns(pl.coalesce("few_med", "all_med").alias("peer_s"))
-    busy = busy.with_columns((pl.col("busy_s") - pl.col("peer_s")).alias("gap_s"))
-    busy = busy.with_columns(
-        ((pl.col("gap_s") >= cfg["min_gap_s"])
-         & ((pl.col("peer_s") <= 0) | (pl.col("gap_s") / pl.col("peer_s") >= cfg["min_rel_gap"]))).alias("flag"))
-    per = busy.group_by("rank", "phase").agg(
-        pl.len().alias("measured"), pl.col("flag").sum().alias("flagged"),
-        pl.col("step").filter(pl.col("flag")).sort().alias("steps"),
-        pl.col("gap_s").filter(pl.col("flag")).median().alias("gap"),
-        pl.col("busy_s").filter(pl.col("flag")).median().alias("mine"),
-        pl.col("peer_s").filter(pl.col("flag")).median().alias("peer"),
-        pl.col("source").unique().sort().alias("sources"),
-    ).filter((pl.col("flagged") >= cfg["min_steps"])
-             & (pl.col("flagged") / pl.col("measured") >= cfg["min_share_of_steps"])).sort("phase", "rank")
+    # the example collective: the one the rank reached latest (one answer whatever the threads)
+    late = _q(con, """SELECT rank, step, sum(late_s) AS late_s, first(coll_name ORDER BY late_s DESC NULLS LAST, coll_name) AS coll
+                      FROM phase_collectives GROUP BY rank, step""")
+    late_by = {(r["rank"], r["step"]): r for r in late}
+    # each rank's busy time against its peers' in the same (step, phase): the median of the
+    # *other* ranks, exact for few ranks, the all-rank median otherwise
+    groups: dict[tuple, list[dict]] = {}
+    for r in busy:
+        groups.setdefault((r["step"], r["phase"]), []).append(r)
+    per: dict[tuple, list[dict]] = {}
+    for grp in groups.values():
+        if len(grp) < 2:
+            continue
+        all_med = _median([r["busy_s"] for r in grp])
+        for r in grp:
+            peer = statistics.median(o["busy_s"] for o in grp if o is not r) if len(grp) <= 4 else all_med
+            gap = None if r["busy_s"] is None or peer is None else r["busy_s"] - peer
+            flag = gap is not None and gap >= cfg["min_gap_s"] and (peer <= 0 or gap / peer >= cfg["min_rel_gap"])
+            per.setdefault((r["rank"], r["phase"]), []).append({**r, "peer_s": peer, "gap_s": gap, "flag": flag})
     out: list[dict] = []
-    for r in per.iter_rows(named=True):
-        rank, phase, flagged = r["rank"], r["phase"], r["steps"]
+    for (rank, phase), rows in sorted(per.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        hit = [r for r in rows if r["flag"]]
+        if len(hit) < cfg["min_steps"] or len(hit) / len(rows) < cfg["min_share_of_steps"]:
+            continue
+        flagged = sorted(r["step"] for r in hit)
+        gap, mine, peer = (_median([r[k] for r in hit]) for k in ("gap_s", "busy_s", "peer_s"))
+        sources = sorted({r["source"] for r in rows})
         detail = (
-            f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {r['measured']} measured steps "
-            f"(steps {_fmt_steps(flagged)}): {r['mine']:.2f} s busy vs {r['peer']:.2f} s "
-            f"on the median peer, a gap of {r['gap']:.2f} s per step"
+            f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {len(rows)} measured steps "
+            f"(steps {_fmt_steps(flagged)}): {mine:.2f} s busy vs {peer:.2f} s "
+            f"on the median peer, a gap of {gap:.2f} s per step"
         )
         lates = [late_by[(rank, s)]["late_s"] for s in flagged if (rank, s) in late_by]
         if lates:
             coll = next((late_by[(rank, s)]["coll"] for s in flagged if (rank, s) in late_by), None)
             detail += (f"; it reaches the collectives (e.g. {coll}) {statistics.median(lates):.2f} s after the first rank "
                        "(median per step), so the other ranks wait for it")
-        detail += f" (source: {', '.join(r['sources'])})"
+        detail += f" (source: {', '.join(sources)})"
         out.append({
-            "id": "straggler", "rank": rank, "detail": detail, "phase": phase, "steps": list(flagged),
-            "value": round(r["gap"], 4), "source": ", ".join(r["sources"]), "evidence": [],
+            "id": "straggler", "rank": rank, "detail": detail, "phase": phase, "steps": flagged,
+            "value": round(gap, 4), "source": ", ".join(sources), "evidence": [],
         })
     return out
 
 
+def _first_max(rows: list[dict], key: str) -> dict:
+    """The row with the largest ``key``, the first of equals."""
+    return max(rows, key=lambda r: r[key])
+
+
 def slow_sync_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     steps = _q(con, "SELECT step, source, step_s, sync_s FROM phase_run_steps WHERE step_s > 0 ORDER BY step")
-    if steps.is_empty():
+    if not steps:
         return []
-    shares = [r["sync_s"] / r["step_s"] for r in steps.iter_rows(named=True)]
+    shares = [r["sync_s"] / r["step_s"] for r in steps]
     med_share = statistics.median(shares)
-    med_sync = statistics.median(steps["sync_s"].to_list())
+    med_sync = statistics.median(r["sync_s"] for r in steps)
     if med_share < cfg["min_share"] or med_sync < cfg["min_s"]:
         return []
-    worst = steps.with_columns((pl.col("sync_s") / pl.col("step_s")).alias("share")).sort("share", descending=True).row(0, named=True)
+    worst = _first_max([{**r, "share": x} for r, x in zip(steps, shares)], "share")
+    sources = ", ".join(sorted({r["source"] for r in steps}))
     return [{
         "id": "slow_weight_sync", "rank": None, "phase": "sync",
         "detail": (f"weight sync takes {med_share:.0%} of the step in the median step ({med_sync:.2f} s of "
-                   f"{statistics.median(steps['step_s'].to_list()):.2f} s); worst: step {worst['step']} "
-                   f"({worst['share']:.0%}, {worst['sync_s']:.2f} s) (source: {', '.join(sorted(set(steps['source'].to_list())))})"),
-        "steps": steps["step"].to_list(), "value": round(med_share, 4), "source": ", ".join(sorted(set(steps["source"].to_list()))),
+                   f"{statistics.median(r['step_s'] for r in steps):.2f} s); worst: step {worst['step']} "
+                   f"({worst['share']:.0%}, {worst['sync_s']:.2f} s) (source: {sources})"),
+        "steps": [r["step"] for r in steps], "value": round(med_share, 4), "source": sources,
         "evidence": _metric_evidence(con, worst["step"], "(?i)^timing(_s)?/(update_weights|sync)"),
     }]
 
 
-def _slowest_rank_per_step(per_rank: pl.DataFrame) -> list[tuple[float, int, int]]:
+def _slowest_rank_per_step(per_rank: list[dict]) -> list[tuple[float, int, int]]:
     """``(ratio, step, rank)`` for each step (in order) that has two ranks or more in ``per_rank``
     (step, rank, rollout_s) and whose other ranks' median is above 0: the slowest rank (the
     lowest rank among equals) and its rollout_s over the median of the other ranks."""
-    # the median as statistics.median takes it: the mean of the two middle values (one value
-    # twice when they are odd in number, which is exact in floating point)
-    others = pl.col("rollout_s").slice(1)  # sorted: slowest first
-    m = pl.len() - 1
-    per_step = (
-        per_rank.filter(pl.len().over("step") >= 2)
-        .sort(["step", "rollout_s", "rank"], descending=[False, True, False])
-        .group_by("step", maintain_order=True)
-        .agg(pl.col("rank").first().alias("top_rank"), pl.col("rollout_s").first().alias("top_s"),
-             ((others.get((m - 1) // 2) + others.get(m // 2)) / 2).alias("med"))
-        .filter(pl.col("med") > 0)
-    )
-    return [(top_s / med, step, rank) for step, rank, top_s, med
-            in per_step.select("step", "top_rank", "top_s", "med").iter_rows()]
+    by_step: dict[int, list[dict]] = {}
+    for r in per_rank:
+        by_step.setdefault(r["step"], []).append(r)
+    out = []
+    for step in sorted(by_step):
+        rows = sorted(by_step[step], key=lambda r: (-r["rollout_s"], r["rank"]))  # slowest first
+        if len(rows) < 2:
+            continue
+        # the median as statistics.median takes it: the mean of the two middle values (one
+        # value twice when they are odd in number, which is exact in floating point)
+        others = [r["rollout_s"] for r in rows[1:]]
+        m = len(others)
+        med = (others[(m - 1) // 2] + others[m // 2]) / 2
+        if med > 0:
+            out.append((rows[0]["rollout_s"] / med, step, rows[0]["rank"]))
+    return out
 
 
 def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     out: list[dict] = []
     skip = int(cfg.get("skip_first_steps", 0))
-    first = _q(con, "SELECT min(step) AS s FROM phase_run_steps")["s"][0]
+    first = _q(con, "SELECT min(step) AS s FROM phase_run_steps")[0]["s"]
     first = first if first is not None else 0
     # across ranks, within a step
     per_rank = _q(con, "SELECT step, rank, rollout_s, source FROM phase_steps WHERE rank IS NOT NULL AND rollout_s > 0 AND step >= ?",
@@ -178,23 +183,23 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
                            f"{med_ratio:.1f}x the other ranks' median; rank {rank} is the slowest in "
                            f"{slowest.count(rank)} of {len(slowest)} steps and the others wait for it"),
                 "steps": sorted(r[1] for r in ratios if r[0] >= cfg["rank_ratio"]), "value": round(med_ratio, 3),
-                "source": ", ".join(sorted(set(per_rank["source"].to_list()))), "evidence": [],
+                "source": ", ".join(sorted({r["source"] for r in per_rank})), "evidence": [],
             })
     # across steps
     run = _q(con, "SELECT step, rollout_s, step_s, source FROM phase_run_steps WHERE step >= ? AND rollout_s > 0 ORDER BY step",
              [first + skip])
-    if run.height >= 3:
-        med = statistics.median(run["rollout_s"].to_list())
-        top = run.sort("rollout_s", descending=True).row(0, named=True)
+    if len(run) >= 3:
+        med = statistics.median(r["rollout_s"] for r in run)
+        top = _first_max(run, "rollout_s")
         if med > 0 and top["rollout_s"] / med >= cfg["step_ratio"]:
-            long_steps = run.filter(pl.col("rollout_s") >= cfg["step_ratio"] * med)["step"].to_list()
+            long_steps = [r["step"] for r in run if r["rollout_s"] >= cfg["step_ratio"] * med]
             out.append({
                 "id": "rollout_long_tail", "rank": None, "phase": "rollout",
                 "detail": (f"rollout time has a long tail across steps: step {top['step']} generated for {top['rollout_s']:.2f} s, "
                            f"{top['rollout_s'] / med:.1f}x the median step's {med:.2f} s "
                            f"({len(long_steps)} step(s) at {cfg['step_ratio']}x or more: {_fmt_steps(long_steps)})"),
                 "steps": long_steps, "value": round(top["rollout_s"] / med, 3),
-                "source": ", ".join(sorted(set(run["source"].to_list()))),
+                "source": ", ".join(sorted({r["source"] for r in run})),
                 "evidence": _metric_evidence(con, top["step"], "(?i)^timing(_s)?/gen"),
             })
     # within a step: response lengths
@@ -203,15 +208,16 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
                max(value) FILTER (WHERE key = 'response_length/mean') AS mean
         FROM metrics WHERE key IN ('response_length/max', 'response_length/mean') AND step >= ?
         GROUP BY step HAVING mx IS NOT NULL AND mean > 0""", [first + skip])
-    if lengths.height and run.height:
-        med_len_ratio = statistics.median((lengths["mx"] / lengths["mean"]).to_list())
-        share = statistics.median((run["rollout_s"] / run["step_s"]).to_list()) if (run["step_s"] > 0).all() else 0.0
+    if lengths and run:
+        med_len_ratio = statistics.median(r["mx"] / r["mean"] for r in lengths)
+        share = (statistics.median(r["rollout_s"] / r["step_s"] for r in run)
+                 if all(r["step_s"] is not None and r["step_s"] > 0 for r in run) else 0.0)
         if med_len_ratio >= cfg["length_ratio"] and share >= cfg["min_rollout_share"]:
             out.append({
                 "id": "rollout_long_tail", "rank": None, "phase": "rollout",
                 "detail": (f"generation is dominated by a few long responses: response_length/max is {med_len_ratio:.1f}x "
                            f"response_length/mean in the median step while rollout takes {share:.0%} of the step"),
-                "steps": lengths["step"].to_list(), "value": round(med_len_ratio, 3), "source": "metrics", "evidence": [],
+                "steps": [r["step"] for r in lengths], "value": round(med_len_ratio, 3), "source": "metrics", "evidence": [],
             })
     return out
 
@@ -219,9 +225,9 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
 def step_jump_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     run = _q(con, """SELECT step, step_s, rollout_s, reward_s, train_s, sync_s, other_s, idle_s, source
                      FROM phase_run_steps WHERE step_s IS NOT NULL ORDER BY step""")
-    if run.height < cfg["min_window"] + 1:
+    if len(run) < cfg["min_window"] + 1:
         return []
-    rows = run.to_dicts()
+    rows = run
     skip = int(cfg.get("skip_first_steps", 0))
     jumps = []
     for i, r in enumerate(rows):
@@ -258,7 +264,7 @@ def step_jump_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
 def findings(con: duckdb.DuckDBPyConnection, thresholds: dict | None = None) -> list[dict]:
     """Performance findings of the ingested run, most specific first (see the module docstring)."""
     cfg = thresholds or load_thresholds()
-    with ph.cached(con):
+    with ph.cached(con, needed=("phases", "phase_collectives", "phase_steps", "phase_run_steps")):
         out = straggler_findings(con, cfg["straggler"])
         out += slow_sync_findings(con, cfg["slow_weight_sync"])
         out += rollout_tail_findings(con, cfg["rollout_long_tail"])

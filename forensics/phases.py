@@ -17,13 +17,15 @@ import re
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import duckdb
-import polars as pl
 
 from . import sql_modules
 from .catalogue import load_yaml
+
+if TYPE_CHECKING:
+    import polars as pl
 
 SIGNATURES = Path(str(resources.files("forensics.signatures")))  # the built-in rule files (package data)
 PHASES_YAML = SIGNATURES / "phases.yaml"
@@ -137,43 +139,45 @@ def attach(con: duckdb.DuckDBPyConnection, path: str | Path = PHASES_YAML) -> No
     # rules' macros as TEMP macros too (a stored macro is not seen behind the module's own)
     temp = sql_modules.ensure(con, PHASE_VIEWS) or read_only
     settings = {**settings, SOURCE_HASH_KEY: sha}
-    rules_tbl = pl.DataFrame(rows, schema={"priority": pl.Int32, "phase": pl.String, "sub_phase": pl.String,
-                                           "pattern": pl.String, "sources": pl.String, "in_step": pl.Boolean}).to_arrow()
-    settings_tbl = pl.DataFrame({"key": list(settings), "value": list(settings.values())}).to_arrow()
     _create_setting_macro(con, settings, temp=temp)
     _create_rules_macro(con, rows, temp=temp)
     _create_category_macro(con, settings, temp=temp)
     if read_only:
-        con.register("_phase_rules_in", rules_tbl)
-        con.register("_phase_settings_in", settings_tbl)
-        try:
-            con.execute("CREATE OR REPLACE TEMP TABLE phase_rules AS SELECT * FROM _phase_rules_in").fetchall()
-            con.execute("CREATE OR REPLACE TEMP TABLE phase_settings AS SELECT * FROM _phase_settings_in").fetchall()
-        finally:
-            con.unregister("_phase_rules_in")
-            con.unregister("_phase_settings_in")
+        _fill_tables(con, "TEMP", rows, settings)
         return
     if sql_modules.has_main_table(con, "phase_settings"):
         have = con.execute("SELECT max(value) FROM main.phase_settings WHERE key = ?", [SOURCE_HASH_KEY]).fetchall()
         if have and have[0][0] == sha:
             return
-    con.register("_phase_rules_in", rules_tbl)
-    con.register("_phase_settings_in", settings_tbl)
     try:
         con.execute("BEGIN TRANSACTION").fetchall()
-        con.execute("CREATE TABLE IF NOT EXISTS main.phase_rules (priority INTEGER, phase VARCHAR, sub_phase VARCHAR, pattern VARCHAR, sources VARCHAR, in_step BOOLEAN)").fetchall()
-        con.execute("CREATE TABLE IF NOT EXISTS main.phase_settings (key VARCHAR, value VARCHAR)").fetchall()
-        con.execute("DELETE FROM main.phase_rules").fetchall()
-        con.execute("DELETE FROM main.phase_settings").fetchall()
-        con.execute("INSERT INTO main.phase_rules SELECT * FROM _phase_rules_in").fetchall()
-        con.execute("INSERT INTO main.phase_settings SELECT * FROM _phase_settings_in").fetchall()
+        _fill_tables(con, "main", rows, settings)
         con.execute("COMMIT").fetchall()
     except BaseException:
         con.execute("ROLLBACK").fetchall()
         raise
-    finally:
-        con.unregister("_phase_rules_in")
-        con.unregister("_phase_settings_in")
+
+
+_RULE_COLUMNS = ("priority", "phase", "sub_phase", "pattern", "sources", "in_step")
+
+
+def _fill_tables(con: duckdb.DuckDBPyConnection, where: str, rows: list[dict[str, Any]], settings: dict[str, str]) -> None:
+    """``phase_rules`` and ``phase_settings`` holding ``rows`` and ``settings``: TEMP tables
+    made anew (``where="TEMP"``, a read-only connection) or the database's own (``"main"``)."""
+    if where == "TEMP":
+        make, table = "CREATE OR REPLACE TEMP TABLE ", "temp.main"
+    else:
+        make, table = "CREATE TABLE IF NOT EXISTS main.", "main"
+    con.execute(f"{make}phase_rules (priority INTEGER, phase VARCHAR, sub_phase VARCHAR, pattern VARCHAR, "
+                "sources VARCHAR, in_step BOOLEAN)").fetchall()
+    con.execute(f"{make}phase_settings (key VARCHAR, value VARCHAR)").fetchall()
+    con.execute(f"DELETE FROM {table}.phase_rules").fetchall()
+    con.execute(f"DELETE FROM {table}.phase_settings").fetchall()
+    # one statement each: a list parameter per column, unnested side by side
+    con.execute(f"INSERT INTO {table}.phase_rules SELECT " + ", ".join(f"unnest(${i + 1})" for i in range(len(_RULE_COLUMNS))),
+                [[r[c] for r in rows] for c in _RULE_COLUMNS]).fetchall()
+    con.execute(f"INSERT INTO {table}.phase_settings SELECT unnest($1), unnest($2)",
+                [list(settings), list(settings.values())]).fetchall()
 
 
 # The expensive views, in dependency order: ``cached`` materialises each as a TEMP table of
@@ -186,11 +190,13 @@ CACHED_VIEWS = (
 
 
 @contextmanager
-def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
+def cached(con: duckdb.DuckDBPyConnection, needed: Iterable[str] = ()) -> Iterator[None]:
     """Compute the phase views once for the duration of the block.
 
     Inside it, queries of ``phases``, ``phase_steps`` etc. read TEMP tables that shadow the
-    views; they are dropped on exit. Nested use reuses the outer block's tables.
+    views; they are dropped on exit. Nested use reuses the outer block's tables. ``needed``:
+    the views the block reads (default: all); the cached views listed after the last of
+    them are not computed (each one depends only on those before it).
     """
     attach(con)
     temp_tables = {r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() WHERE temporary").fetchall()}
@@ -198,8 +204,11 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
     queries = sql_modules.view_queries(sql_modules.needed(PHASE_VIEWS))
     made: list[str] = []
     replaced_temp_views = False
+    needed = set(needed)
+    positions = [i for i, v in enumerate(CACHED_VIEWS) if v in needed]
+    upto = max(positions) + 1 if positions else len(CACHED_VIEWS)
     try:
-        for view in CACHED_VIEWS:
+        for view in CACHED_VIEWS[:upto]:
             if view in temp_tables:
                 continue
             if view in temp_views:  # a read-only connection's stand-in for a stale stored view
@@ -216,7 +225,9 @@ def cached(con: duckdb.DuckDBPyConnection) -> Iterator[None]:
             attach(con)
 
 
-def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> pl.DataFrame:
+def _frame(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None) -> "pl.DataFrame":
+    import polars as pl
+
     return pl.from_arrow(con.sql(sql, params=params).to_arrow_table())  # type: ignore[return-value]
 
 

@@ -1252,7 +1252,10 @@ def _run_in_parallel(jobs, spool, workers, debug, finish, idle, direct_jobs, run
                 submit(kind)
         idle()
         while kinds:
-            finished, _ = wait(list(kinds), timeout=TICK_S if tick else None, return_when=FIRST_COMPLETED)
+            # never an endless wait: polars, once imported, handles SIGINT itself with SA_RESTART, and
+            # a blocking wait in this thread then sleeps through Ctrl-C until a job ends (tests/
+            # test_hostile.py: a big file's parse); waking up runs Python's handler
+            finished, _ = wait(list(kinds), timeout=TICK_S, return_when=FIRST_COMPLETED)
             if tick:
                 tick()
             for fut in finished:

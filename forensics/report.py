@@ -813,7 +813,9 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-report") as pool:
                 diag_future = pool.submit(_diagnosis, diag_con)
                 with ph.cached(con):
-                    diag, diag_note = diag_future.result()
+                    from .diagnosis.explain import result_awake
+
+                    diag, diag_note = result_awake(diag_future)
                     content = _content(con, diag, diag_note)
     finally:
         diag_con.close()

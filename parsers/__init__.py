@@ -10,8 +10,19 @@ whole database schema apart from the bookkeeping tables of ``forensics.store``).
 """
 from __future__ import annotations
 
-from .base import FileContext, Format, LineFormat, ParseOutput, Sniff, Table
-from .registry import all_tables, format_named, formats, line_formats, parser_for, problems
+import importlib
 
-__all__ = ["FileContext", "Format", "LineFormat", "ParseOutput", "Sniff", "Table",
-           "all_tables", "format_named", "formats", "line_formats", "parser_for", "problems"]
+_FROM_BASE = ("FileContext", "Format", "LineFormat", "ParseOutput", "Sniff", "Table")
+_FROM_REGISTRY = ("all_tables", "format_named", "formats", "line_formats", "parser_for", "problems")
+__all__ = [*_FROM_BASE, *_FROM_REGISTRY]
+
+
+def __getattr__(name: str):
+    # imported when first asked for (PEP 562): the base module imports polars and pyarrow,
+    # which a reader of the database (:mod:`.conventions`) does not need
+    if name in _FROM_BASE or name in _FROM_REGISTRY:
+        module = importlib.import_module(f"{__name__}.{'base' if name in _FROM_BASE else 'registry'}")
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

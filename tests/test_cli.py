@@ -85,6 +85,43 @@ def test_a_command_still_imports_the_api(tmp_path):
     assert "error: no database at" in res.stdout + res.stderr
 
 
+def test_diagnose_of_a_new_database_imports_no_dataframe_library(tmp_path):
+    """`forensics diagnose` reads a database made by this version without polars, pyarrow,
+    numpy, the format modules or pydantic (half a second of imports: bench/bench_startup.py's
+    target). A module-level import of one of them on the diagnosis' path (forensics.api,
+    forensics.diagnosis, forensics.database, forensics.findings, forensics.phases, ...), or
+    typer's TypeAdapter per parameter, fails this. The database holds lines, metrics of
+    steps and phases (the performance findings run) and a traceback (event hits)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "driver.log").write_text("".join(
+        f"step:{s} - actor/grad_norm:0.5 - timing_s/gen:{1.0 + s} - timing_s/update_actor:2.0 - timing_s/step:{3.0 + s}\n"
+        for s in range(1, 6))
+        + "Traceback (most recent call last):\n  File \"/app/train.py\", line 3, in <module>\n    main()\n"
+          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    db = str(tmp_path / "d.duckdb")
+    res = subprocess.run([sys.executable, "-m", "forensics", "ingest", str(run), "--db", db], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    light = ("polars", "pyarrow", "numpy", "pydantic", "typer._adapters", "forensics.parsers.base", "forensics.store")
+    code = ("import sys\nfrom forensics.cli import app\n"
+            "try:\n    app(['diagnose', '--db', sys.argv[1], '-C', '1', '-v'])\nexcept SystemExit as e:\n    print('RC', e.code)\n"
+            f"print('LOADED', sorted(m for m in {light!r} if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code, db], capture_output=True, text=True, timeout=60)
+    assert "verdict: failed" in res.stdout and "oom_training" in res.stdout, res.stdout + res.stderr
+    assert res.stdout.splitlines()[-1] == "LOADED []", res.stdout[-2000:]
+
+
+@pytest.mark.parametrize("value, message", [("abc", "Input should be a valid integer"),
+                                            ("-1", "Input should be greater than or equal to 0")])
+def test_a_bad_number_is_a_usage_error(tmp_path, value, message):
+    """The parameters' values are checked without typer's TypeAdapters (cli._plain_runtime_param):
+    a number that is not one, or below its minimum, is still a usage error naming the option."""
+    res = CliRunner().invoke(app, ["diagnose", "--db", str(tmp_path / "x.duckdb"), "--context", value])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.replace("│", " ").split())
+    assert "Invalid value for '--context'" in text and message in text, res.output
+
+
 @pytest.mark.parametrize("name", COMMANDS)
 def test_every_command_calls_one_documented_api_function(name):
     callback = ROOT.commands[name].callback

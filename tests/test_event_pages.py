@@ -30,7 +30,7 @@ def test_event_hits_do_not_depend_on_the_page_size(tmp_path, monkeypatch):
     forensics.ingest(str(logs), db=db, workers=1).close()
     whole = _hits(db)
     assert len({h[1] for h in whole}) >= 3, whole  # events in several files
-    monkeypatch.setattr(matching, "HIT_BATCH", 1)
+    monkeypatch.setattr(matching, "EVENT_PAGE", 1)
     con = duckdb.connect(db, read_only=True)
     pages = matching._event_pages(con)
     con.close()

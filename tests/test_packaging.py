@@ -182,13 +182,15 @@ def test_no_import_cycles():
 
 
 def test_parsers_layering():
-    """What may import what in forensics.parsers: the declarations (base) and the shared
-    header helpers (lines.common) import nothing of the package; the registry only the
-    declarations (it finds the format modules by name); no format module but the text
-    splitter asks the registry; nothing in parsers imports the rest of forensics."""
+    """What may import what in forensics.parsers: the declarations (base) and the stored
+    rows' conventions import nothing of the package, the shared header helpers (lines.common)
+    only the conventions; the registry only the declarations (it finds the format modules by
+    name); no format module but the text splitter asks the registry; nothing in parsers
+    imports the rest of forensics."""
     graph = import_graph()
     p = "forensics.parsers"
-    assert graph[f"{p}.base"] == set() and graph[f"{p}.lines.common"] == set()
+    assert graph[f"{p}.base"] == set() and graph[f"{p}.conventions"] == set()
+    assert graph[f"{p}.lines.common"] == {f"{p}.conventions"}
     assert graph[f"{p}.registry"] == {f"{p}.base"}
     from forensics.parsers import registry
 

@@ -305,8 +305,9 @@ def test_rollout_long_tail_across_ranks(tmp_path):
 
 
 def test_slowest_rank_per_step_matches_statistics_median():
-    """The vectorised per-step ratios equal a loop over the steps with statistics.median, with
-    odd and even numbers of other ranks, equal times, steps with one rank and zero medians."""
+    """The per-step ratios (the median of the other ranks taken from their sorted times) equal
+    a loop over the steps with statistics.median, with odd and even numbers of other ranks,
+    equal times, steps with one rank and zero medians."""
     import random
     import statistics
 
@@ -316,9 +317,9 @@ def test_slowest_rank_per_step_matches_statistics_median():
         for rank in rng.sample(range(16), rng.randint(1, 9)):
             rows.append((step, rank, rng.choice([0.0, 0.5, 0.6, 0.1 + 0.2, rng.random()])))
     rng.shuffle(rows)
-    per_rank = pl.DataFrame(rows, schema={"step": pl.Int64, "rank": pl.Int32, "rollout_s": pl.Float64}, orient="row")
+    per_rank = [{"step": st, "rank": r, "rollout_s": s} for st, r, s in rows]
     expected = []
-    for step in sorted(set(per_rank["step"].to_list())):
+    for step in sorted({st for st, _, _ in rows}):
         grp = sorted(((s, r) for st, r, s in rows if st == step), key=lambda x: (-x[0], x[1]))
         if len(grp) < 2:
             continue

@@ -26,7 +26,7 @@ import duckdb
 from .. import catalogue as sig
 from .. import detectors
 from ..catalogue import Catalogue
-from ..store import RunRow, SettingError, attach_parts, diagnosable_runs, pick_run, restrict_to_run, set_memory_limit
+from ..database import RunRow, SettingError, attach_parts, diagnosable_runs, pick_run, restrict_to_run, set_memory_limit
 from . import explain, incident, matching, placement, selection, times
 from .context import Context
 from .explain import render as render_one
@@ -161,14 +161,29 @@ def headline(db_path: str | os.PathLike) -> str:
 
 
 def run(ctx: Context) -> Diagnosis:
-    """The stages, in order, on one connection."""
+    """The stages, in order, on one connection; the performance findings (which read the
+    phase views only) on a second one at the same time (:class:`.explain.PendingFindings`)."""
     con = ctx.con
     if not con.execute("SELECT EXISTS (SELECT 1 FROM lines) OR EXISTS (SELECT 1 FROM metrics)").fetchall()[0][0]:
         raise NothingToDiagnose("the database holds no log lines and no metrics: ingest the run's logs first")
     ensure_views(con)
+    pending = explain.PendingFindings.start(con) if ctx.performance else None
+    try:
+        return _stages(ctx, pending)
+    finally:
+        if pending is not None:
+            pending.close()
+
+
+def _stages(ctx: Context, pending: "explain.PendingFindings | None") -> Diagnosis:
+    """Matching to explanation (the module docstring's stages 1-6); ``pending``: the
+    performance findings under way, None without them."""
+    con = ctx.con
     hits = matching.line_hits(con, ctx.cat) + matching.event_hits(con, ctx.cat)
     hits = matching.drop_survived(hits, matching.survived_events(con))
     facts = RunFacts(con, ctx.cat)
+    for h in hits:
+        h.own_file = h.fmt in facts.format_facts.own_output
     placement.attach_task_pids(ctx, hits)
     placement.attach_bodies(ctx, hits)
     times.attach_ts_hi(con, hits, lambda *a: placement.keyed_rows(ctx, *a))
@@ -176,7 +191,7 @@ def run(ctx: Context) -> Diagnosis:
     hits = selection.resolve_classes(hits, facts.traits)
     alarms = detectors.run(con, ctx.cat.metric_detectors)
     notes: list[str] = []
-    findings = explain.line_findings(ctx, hits) + (explain.performance_findings(ctx, notes) if ctx.performance else [])
+    findings = explain.line_findings(ctx, hits) + (pending.result(notes) if pending is not None else [])
     choice = selection.choose(ctx, hits, alarms, facts)
     if choice.root is None:
         ends, stops = choice.ends, choice.stops

@@ -155,7 +155,7 @@ def remediation(ctx: Context, cls: str, root: Event, phase: str | None, config: 
     return out[:8]
 
 
-def performance_findings(ctx: Context, notes: list[str]) -> list[Finding]:
+def performance_findings(con: duckdb.DuckDBPyConnection, notes: list[str]) -> list[Finding]:
     """Stragglers, slow weight sync, rollout long tail, step-time jumps
     (:mod:`forensics.findings`, over the phase-attribution views)."""
     try:
@@ -165,8 +165,8 @@ def performance_findings(ctx: Context, notes: list[str]) -> list[Finding]:
         notes.append(f"performance findings unavailable: {exc}")
         return []
     try:
-        phases_mod.attach(ctx.con)
-        rows = findings_mod.findings(ctx.con)
+        phases_mod.attach(con)
+        rows = findings_mod.findings(con)
     except (duckdb.Error, ValueError, KeyError, OSError) as exc:
         notes.append(f"performance findings unavailable: {exc.__class__.__name__}: {exc}")
         return []
@@ -176,6 +176,70 @@ def performance_findings(ctx: Context, notes: list[str]) -> list[Finding]:
         ev = [Evidence(e.get("file"), e.get("line"), e.get("text", "")) for e in r.pop("evidence", None) or []]
         out.append(Finding(str(r.pop("id")), r.pop("rank", None), str(r.pop("detail", "")), ev, r))
     return out
+
+
+# Up to this many log lines the performance findings (the phase views materialised, then
+# read) are computed on a connection of their own while the rest of the diagnosis runs; on
+# a bigger database after it: the phase tables DuckDB holds and the hits the diagnosis holds
+# in Python would otherwise add up (as the report's PARALLEL_DIAGNOSIS_MAX_LINES).
+PARALLEL_FINDINGS_MAX_LINES = 1_000_000
+
+
+def result_awake(future):
+    """``future.result()``, waking up every fifth of a second: polars, once imported, handles
+    SIGINT itself with SA_RESTART, and a wait with no end would sleep through Ctrl-C."""
+    from concurrent.futures import TimeoutError as Pending
+
+    while True:
+        try:
+            return future.result(timeout=0.2)
+        except Pending:
+            continue
+
+
+class PendingFindings:
+    """The performance findings of ``con``'s run, started by :meth:`start` and collected by
+    :meth:`result`; :meth:`close` (always) ends the work and the connection it used."""
+
+    def __init__(self, con: duckdb.DuckDBPyConnection):
+        self.con = con
+        self.notes: list[str] = []
+        self._pool = self._future = self._cursor = None
+
+    @classmethod
+    def start(cls, con: duckdb.DuckDBPyConnection) -> "PendingFindings":
+        p = cls(con)
+        (n_lines,) = con.execute("SELECT count(*) FROM lines").fetchall()[0]
+        if n_lines <= PARALLEL_FINDINGS_MAX_LINES:
+            from concurrent.futures import ThreadPoolExecutor
+
+            from ..database import restrict_to_run, restricted_run
+
+            # a cursor has TEMP views and macros of its own: the same run, its own phase rules
+            p._cursor = con.cursor()
+            restrict_to_run(p._cursor, restricted_run(con))
+            p._cursor.execute("SET enable_progress_bar = false").fetchall()
+            p._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-findings")
+            p._future = p._pool.submit(performance_findings, p._cursor, p.notes)
+        return p
+
+    def result(self, notes: list[str]) -> list[Finding]:
+        """The findings (computed now when they were not started beside the diagnosis); the
+        notes they left are added to ``notes``."""
+        if self._future is None:
+            out = performance_findings(self.con, self.notes)
+        else:
+            out = result_awake(self._future)
+        notes.extend(self.notes)
+        return out
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._cursor is not None:
+            self._cursor.close()
+            self._cursor = None
 
 
 def line_findings(ctx: Context, hits: list[Hit]) -> list[Finding]:

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import duckdb
 
 from ..catalogue import TRAIT_PREFIX, Catalogue, SignatureError, derive_keywords
-from ..parsers import registry
+from ..database import format_facts
 from .model import Hit
 
 
@@ -27,16 +27,12 @@ def keyword_sql(column: str, cs: Iterable[str], ci: Iterable[str] = ()) -> str |
     return "(" + " OR ".join(kw) + ")" if kw else None
 
 
-def run_traits(formats: Counter) -> set[str]:
+def run_traits(formats: Counter, software: dict[str, str]) -> set[str]:
     """What the run is made of, as rules ask for it (``requires: [run:ray]``,
     ``class_if_present: {run:ray: ...}``): ``run:<software>`` for every software whose
-    logs it holds, as the formats declare it (:attr:`forensics.parsers.base.Format.software`)."""
-    out = set()
-    for name in formats:
-        fmt = registry.format_named(name)
-        if fmt is not None and fmt.software:
-            out.add(TRAIT_PREFIX + fmt.software)
-    return out
+    logs it holds, as the formats declare it (:attr:`forensics.parsers.base.Format.software`,
+    ``software``: by format name, as :func:`forensics.database.format_facts` gives it)."""
+    return {TRAIT_PREFIX + software[name] for name in formats if software.get(name)}
 
 
 def table_exists(con, name: str) -> bool:
@@ -64,7 +60,8 @@ class RunFacts:
         self._load_nodes()
         self._load_ranks()
         self.formats = Counter(dict(con.execute("SELECT format, count(*) FROM files GROUP BY format").fetchall()))
-        self.traits = run_traits(self.formats)
+        self.format_facts = format_facts(con)
+        self.traits = run_traits(self.formats, self.format_facts.software)
         self.has_nccl_lines = bool(con.execute("SELECT count(*) FROM lines WHERE header = 'nccl'").fetchall()[0][0])
         self.devices_vary = int(con.execute(
             r"""SELECT count(DISTINCT regexp_extract(text, '[\w.\-]+:\d+:\d+ \[(\d+)\] ', 1)) FROM lines

@@ -9,7 +9,6 @@ import re
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import duckdb
-import polars as pl
 
 from .. import catalogue as sig
 from ..catalogue import Catalogue, ExceptionMatch, Rule
@@ -109,10 +108,13 @@ def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterabl
     )
 
 
-def _hits_sql(rules: list[Rule]) -> str:
+def _hits_sql(rules: list[Rule], kept: Iterable[int] | None = None) -> str:
     """The rule hits over ``diag_candidates``: one row per (rule, line), at most
-    MAX_HITS_PER_RULE_FILE per rule and file, in (file, line, rule) order."""
-    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns)
+    MAX_HITS_PER_RULE_FILE per rule and file, in (file, line, rule) order. ``kept``: the
+    indexes of the rules to try (default: every rule with line patterns)."""
+    kept = set(range(len(rules)) if kept is None else kept)
+    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns and i in kept) \
+        or "SELECT NULL::INTEGER AS rule_idx, file_id, line_no FROM diag_candidates WHERE false"
     return f"""
         WITH m AS ({union}),
         k AS (SELECT * FROM m QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
@@ -120,29 +122,50 @@ def _hits_sql(rules: list[Rule]) -> str:
         ORDER BY c.file_id, c.line_no, k.rule_idx"""
 
 
-def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> pl.DataFrame:
-    """Rule hits (:func:`_hits_sql`), one frame; fills ``diag_candidates`` first."""
-    frames = list(match_batches(con, rules, extra))
-    return pl.concat(frames, how="vertical") if frames else pl.DataFrame()
+def _rules_with_candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule]) -> list[int]:
+    """The indexes of the rules with line patterns that can match a candidate: those whose
+    keyword test (the first condition of :func:`_rule_sql`) holds on at least one, and
+    those without keywords. One aggregate over the candidates: the union of the rest would
+    only be planned (the big part of a small run's matching) to give no row."""
+    with_kw = [(i, keyword_sql("message", r.keywords, r.keywords_ci)) for i, r in enumerate(rules) if r.patterns]
+    tests = [(i, kw) for i, kw in with_kw if kw]
+    out = {i for i, kw in with_kw if not kw}
+    if tests:
+        present = con.execute("SELECT [" + ", ".join(f"coalesce(bool_or({kw}), false)" for _, kw in tests)
+                              + "] FROM diag_candidates").fetchall()[0][0]
+        out.update(i for (i, _), ok in zip(tests, present) if ok)
+    return sorted(out)
+
+
+def match(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()):
+    """Rule hits (:func:`_hits_sql`), one polars frame (for tests and notebooks); fills
+    ``diag_candidates`` first. Empty, with no columns, when no rule has line patterns."""
+    import polars as pl
+
+    candidates(con, rules, extra)
+    if not any(r.patterns for r in rules):
+        return pl.DataFrame()
+    return pl.from_arrow(con.sql(_hits_sql(rules, _rules_with_candidates(con, rules))).to_arrow_table())
 
 
 HIT_BATCH = 20_000  # hit rows fetched from DuckDB at a time
 
 
-def match_batches(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> Iterator[pl.DataFrame]:
-    """:func:`match`'s rows, in order, as frames of at most HIT_BATCH rows: the hits of a big
-    run are never all in Arrow at once. Fills ``diag_candidates`` first; none without line
-    patterns (such rules match fatal events only: event_hits)."""
+def match_batches(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> Iterator[list[dict]]:
+    """:func:`match`'s rows, in order, as lists of at most HIT_BATCH rows (dicts by column):
+    the hits of a big run are never all in Python at once. Fills ``diag_candidates`` first;
+    none without line patterns (such rules match fatal events only: event_hits)."""
     candidates(con, rules, extra)
     if not any(r.patterns for r in rules):
         return
-    reader = con.sql(_hits_sql(rules)).to_arrow_reader(HIT_BATCH)
-    got = False
-    for batch in reader:
-        got = True
-        yield pl.from_arrow(batch)
-    if not got:
-        yield pl.from_arrow(reader.schema.empty_table())
+    kept = _rules_with_candidates(con, rules)
+    cur = con.execute(_hits_sql(rules, kept))
+    cols = [d[0] for d in cur.description]
+    while True:
+        batch = cur.fetchmany(HIT_BATCH)
+        if not batch:
+            return
+        yield [dict(zip(cols, row)) for row in batch]
 
 
 def extract(h: Hit, extra: str = "") -> None:
@@ -172,8 +195,8 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     # one string object for equal values: a line's text, message and physical message are
     # mostly the same string, and its path and values are those of the line's other hits
     shared: dict[str, str] = {}
-    for df in match_batches(con, rules, cat.rank_zero_prints):
-        for row in df.iter_rows(named=True):
+    for batch in match_batches(con, rules, cat.rank_zero_prints):
+        for row in batch:
             for k in ("path", "format", "ts_quality", "level", "header", "actor", "node", "message", "line_message", "text"):
                 v = row[k]
                 if v is not None:
@@ -323,15 +346,18 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
 EVENT_KEPT = ("file_id", "line_no", "exc_line", "kind", "exc_type", "wrapper", "package", "user_frame")
 
 
+EVENT_PAGE = 5_000  # fatal events fetched at a time, as Python rows (frames and chains are lists of dicts)
+
+
 def _event_pages(con: duckdb.DuckDBPyConnection) -> list[tuple[int, int]]:
-    """Ranges of file ids holding about HIT_BATCH fatal events each (a file's events stay
+    """Ranges of file ids holding about EVENT_PAGE fatal events each (a file's events stay
     in one range), in file order."""
     pages: list[tuple[int, int]] = []
     lo, n = None, 0
     for fid, count in con.execute("SELECT file_id, count(*) FROM fatal_events GROUP BY file_id ORDER BY file_id").fetchall():
         lo = fid if lo is None else lo
         n += count
-        if n >= HIT_BATCH:
+        if n >= EVENT_PAGE:
             pages.append((lo, fid))
             lo, n = None, 0
     if lo is not None:
@@ -347,7 +373,7 @@ def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
     being fetched."""
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
     for lo, hi in _event_pages(con):
-        events = con.sql(
+        cur = con.execute(
             f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
                        l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
                        coalesce(w.last_record > e.last_line, false) AS went_on
@@ -360,9 +386,11 @@ def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
                              AND file_id IN (SELECT file_id FROM fatal_events)
                            GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
                 WHERE e.file_id BETWEEN $lo AND $hi
-                ORDER BY e.file_id, e.line_no""", params={"lo": lo, "hi": hi}).to_arrow_table()
-        for batch in events.to_batches(HIT_BATCH):
-            yield from batch.to_pylist()
+                ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi})
+        names = [d[0] for d in cur.description]
+        rows = cur.fetchall()
+        for row in rows:
+            yield dict(zip(names, row))
 
 
 def _matched_frame_line(m: ExceptionMatch, e: dict) -> int | None:

@@ -12,13 +12,11 @@ from typing import Any, Iterable
 
 from .. import detectors
 from ..catalogue import Rule
-from ..parsers import registry
-from ..parsers.lines.common import YEARLESS
+from ..parsers.conventions import YEARLESS
 
 # File formats that are a process's own output (not a copy on the driver), as their
 # declarations say (parsers.base.Format.own_output): their lines are cited before a
 # driver's prefixed copy of the same failure.
-ORIGIN_FORMATS = frozenset(f.name for f in registry.formats() if f.own_output)
 PRECISE = ("full", "year_inferred", "no_year")  # stamps printed on the line itself
 
 # The verdicts of ../shared/contract.md (a labelled bundle's root cause is HEALTHY when no
@@ -250,6 +248,7 @@ class Hit:
     alarm: detectors.Alarm | None = None
     event: dict | None = None  # fields of the fatal_events row an exception rule matched (matching.EVENT_KEPT; None: a line rule's hit)
     line_message: str | None = None  # the physical line's message when ``message`` is a hard-wrapped line joined
+    own_file: bool = False  # the file is one process's own output (its format's ``own_output``): cited first
 
     @property
     def proc(self) -> int | None:
@@ -310,7 +309,7 @@ class Event:
         """The line to cite: in the process's own file before a driver copy, the earliest
         line, unless a clearly more specific line of the same moment follows it."""
         def own(h: Hit) -> int:
-            return 0 if (h.fmt in ORIGIN_FORMATS or (h.file_pid is not None and h.file_pid == h.proc)) else 1
+            return 0 if (h.own_file or (h.file_pid is not None and h.file_pid == h.proc)) else 1
         best_own = min(own(h) for h in self.hits)
         pool = [h for h in self.hits if own(h) == best_own]
         first = min(pool, key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))

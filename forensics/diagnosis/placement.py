@@ -7,7 +7,6 @@ import bisect
 import re
 from collections import defaultdict
 
-import pyarrow as pa
 
 from .context import Context
 from .facts import RunFacts
@@ -18,12 +17,13 @@ def keyed_rows(ctx: Context, name: str, keys, column: str, sql: str) -> list[tup
     """Run ``sql`` with the (file_id, ``column``) pairs ``keys`` registered as the table
     ``name`` (the hits' lines, looked up in one query instead of one per hit)."""
     keys = list(keys)
-    k = pa.table({"file_id": pa.array([a for a, _ in keys], pa.int32()), column: pa.array([b for _, b in keys], pa.int64())})
-    ctx.con.register(name, k)
+    # two list parameters, unnested side by side (no Arrow: the diagnosis imports no pyarrow)
+    ctx.con.execute(f'CREATE OR REPLACE TEMP TABLE "{name}" AS SELECT unnest(?::INTEGER[]) AS file_id, unnest(?::BIGINT[]) AS "{column}"',
+                    [[a for a, _ in keys], [b for _, b in keys]]).fetchall()
     try:
         return ctx.con.execute(sql).fetchall()
     finally:
-        ctx.con.unregister(name)
+        ctx.con.execute(f'DROP TABLE IF EXISTS temp.main."{name}"').fetchall()
 
 
 def attach_bodies(ctx: Context, hits: list[Hit]) -> None:

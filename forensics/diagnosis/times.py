@@ -21,7 +21,7 @@ from typing import Iterable
 
 import duckdb
 
-from ..parsers.lines.common import YEARLESS
+from ..parsers.conventions import YEARLESS
 from .model import FILE_MTIME, PRECISE, PRINTED, UNKNOWN, Evidence, Hit, When, _placeholder, of_hits
 
 __all__ = ["When", "of_hits", "attach_ts_hi", "with_year", "evidence"]

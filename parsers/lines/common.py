@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from ..conventions import YEARLESS  # noqa: F401 (the line formats take it from here)
+
 
 LEVELS = {
     "I": "INFO", "W": "WARNING", "E": "ERROR", "F": "FATAL", "C": "FATAL", "D": "DEBUG",
@@ -104,4 +106,3 @@ def parse_ts(expr: pl.Expr) -> pl.Expr:
     )
 
 
-YEARLESS = 2000  # placeholder year for formats that print none (a leap year: Feb 29 parses)
