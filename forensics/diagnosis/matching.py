@@ -127,12 +127,14 @@ def _rules_with_candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule]) ->
     keyword test (the first condition of :func:`_rule_sql`) holds on at least one, and
     those without keywords. One aggregate over the candidates: the union of the rest would
     only be planned (the big part of a small run's matching) to give no row."""
-    with_kw = [(i, keyword_sql("message", r.keywords, r.keywords_ci)) for i, r in enumerate(rules) if r.patterns]
-    tests = [(i, kw) for i, kw in with_kw if kw]
+    # keyword_sql's test, with each message lowered once for all the case-insensitive keywords
+    with_kw = [(i, [f"contains(message, {sql_str(k)})" for k in r.keywords]
+                + [f"contains(lowered, {sql_str(k.lower())})" for k in r.keywords_ci]) for i, r in enumerate(rules) if r.patterns]
+    tests = [(i, " OR ".join(kw)) for i, kw in with_kw if kw]
     out = {i for i, kw in with_kw if not kw}
     if tests:
         present = con.execute("SELECT [" + ", ".join(f"coalesce(bool_or({kw}), false)" for _, kw in tests)
-                              + "] FROM diag_candidates").fetchall()[0][0]
+                              + "] FROM (SELECT message, lower(message) AS lowered FROM diag_candidates)").fetchall()[0][0]
         out.update(i for (i, _), ok in zip(tests, present) if ok)
     return sorted(out)
 
