@@ -127,3 +127,19 @@ def test_findings_beside_the_diagnosis_read_the_run_it_reads(tmp_path):
         forensics.ingest(str(logs / name), db=alone, workers=1).close()
         assert found(by_name[name]) == found(api.diagnose(alone).to_dict()), name
     assert found(api.diagnose(db, run="a").to_dict()) == found(by_name["a"])
+
+
+def test_many_candidates_try_every_rule(bundles_db, monkeypatch):
+    """Past PRECHECK_MAX_CANDIDATES the pre-check is skipped (its scan would cost more than
+    the branches it saves): every rule with line patterns is tried, to the same hits."""
+    cat = sig.load()
+    con = duckdb.connect(bundles_db, read_only=True)
+    try:
+        matching.candidates(con, cat.rules, cat.rank_zero_prints)
+        few = matching._rules_with_candidates(con, cat.rules)
+        monkeypatch.setattr(matching, "PRECHECK_MAX_CANDIDATES", 0)
+        many = matching._rules_with_candidates(con, cat.rules)
+        assert many == [i for i, r in enumerate(cat.rules) if r.patterns] and set(few) < set(many)
+        assert con.execute(matching._hits_sql(cat.rules, many)).fetchall() == con.execute(matching._hits_sql(cat.rules, few)).fetchall()
+    finally:
+        con.close()
