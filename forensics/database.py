@@ -184,9 +184,11 @@ _RESTRICTED = "_forensics_run"  # TEMP macro: the run a connection is restricted
 
 def restricted_run(con: duckdb.DuckDBPyConnection) -> int | None:
     """The run :func:`restrict_to_run` restricted ``con`` to, or None."""
-    have = con.execute("SELECT count(*) FROM duckdb_functions() WHERE function_name = ? AND schema_name = 'main' "
-                       "AND database_name = 'temp'", [_RESTRICTED]).fetchone()[0]
-    return int(con.execute(f"SELECT {_RESTRICTED}()").fetchone()[0]) if have else None
+    # asked directly: listing duckdb_functions() costs a fiftieth of a second
+    try:
+        return int(con.execute(f"SELECT temp.main.{_RESTRICTED}()").fetchall()[0][0])
+    except duckdb.CatalogException:  # no such macro: the connection sees the whole database
+        return None
 
 
 
