@@ -142,3 +142,16 @@ def test_megatron_lm_initialising_is_the_start_up(markers):
               ("/work/Megatron-LM/megatron/training/initialize.py", 158, "_compile_dependencies", "torch.distributed.barrier()"),
               exc="RuntimeError: HIP error: invalid device function")
     assert phase_of(text, markers, frames_only=True) == "init"
+
+
+# vLLM-Ascend (the `vllm_ascend` plugin) runs the engine's forward in its own modules: an
+# attention, op or sampler frame of it is the rollout, as vLLM's own model_executor is.
+@pytest.mark.parametrize("frame", [
+    ("/env/site-packages/vllm_ascend/attention/attention_v1.py", 412, "forward", "torch_npu._npu_reshape_and_cache("),
+    ("/env/site-packages/vllm_ascend/ops/rotary_embedding.py", 90, "rope_forward_oot", "torch_npu._npu_rotary_embedding("),
+    ("/env/site-packages/vllm/attention/layer.py", 250, "forward", "return self.impl.forward(self, query, key, value)"),
+], ids=["ascend-attention", "ascend-op", "vllm-attention"])
+def test_an_ascend_engine_forward_is_the_rollout(markers, frame):
+    text = tb(("/env/site-packages/torch/nn/modules/module.py", 1750, "_call_impl", "return forward_call(*args, **kwargs)"), frame,
+              exc="RuntimeError: The Inner error is reported as above.")
+    assert phase_of(text, markers, frames_only=True) == "rollout"
