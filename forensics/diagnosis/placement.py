@@ -85,6 +85,10 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
     first_metric_line = {fid: ln for fid, ln in ctx.con.execute(
         "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
     for h in hits:
+        # an ActorDiedError block is about the actor it names (its `pid:` line below the head)
+        dead = facts.death_pid.get((h.file_id, h.line_no)) if h.line_no is not None else None
+        if dead is not None and not h.groups.get("pid"):
+            h.groups["pid"] = str(dead)
         # rank: printed on the line, named in its text, or known for its process
         named = [int(x) for x in re.findall(r"\d+", h.groups.get("ranks", ""))]
         if len(named) == 1:  # a report naming one other rank (the desync report's lagging rank)
