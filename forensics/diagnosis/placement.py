@@ -127,6 +127,9 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
             src = "frames" if ph else None
         if ph is None and h.proc is not None and h.proc in task_methods:
             ph, src = ctx.phase_of(task_methods[h.proc]), "ray_task"
+        if ph is None and h.groups.get("method"):  # the task the line names (a killed task's name)
+            ph = ctx.phase_of(h.groups["method"])
+            src = "ray_task" if ph else None
         if ph is None and h.actor:  # the role the actor plays (a reference model only runs forwards)
             ph = ctx.phase_of(h.actor)
             src = "actor" if ph else None

@@ -27,7 +27,10 @@ _DEDUP = r" ?\[repeated (\d+)x across cluster\](?: \(Ray deduplicates logs by de
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     starts = pl.col("message").str.starts_with("(")
-    for pattern in (_WORKER, _SYSTEM):
+    # _WORKER twice: a process a Ray worker started prints behind its own prefix, and Ray
+    # copies that line behind the worker's (`(LLMRayActor pid=1) (EngineCore_DP0 pid=2) ERROR
+    # ...`, vLLM V1's engine core inside a Ray actor); the inner process printed the line
+    for pattern in (_WORKER, _WORKER, _SYSTEM):
         fields = {"actor": g("actor"), "node": pl.coalesce(g("ip"), pl.col("node"))}
         if pattern is _WORKER:
             fields["pid"] = g("pid").cast(pl.Int64)
