@@ -155,3 +155,13 @@ def test_an_ascend_engine_forward_is_the_rollout(markers, frame):
     text = tb(("/env/site-packages/torch/nn/modules/module.py", 1750, "_call_impl", "return forward_call(*args, **kwargs)"), frame,
               exc="RuntimeError: The Inner error is reported as above.")
     assert phase_of(text, markers, frames_only=True) == "rollout"
+
+
+def test_a_dataloader_built_with_the_train_batch_size_is_the_start_up(markers):
+    # the config key `train_batch_size` in a start-up frame's source line is not the
+    # training call `train_batch(...)`
+    text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 480, "_create_dataloader",
+               "self.train_dataloader = StatefulDataLoader(dataset=self.train_dataset, batch_size=self.config.data.train_batch_size)"),
+              ("/env/site-packages/torch/utils/data/sampler.py", 165, "__init__", "raise ValueError("),
+              exc="ValueError: num_samples should be a positive integer value, but got num_samples=0")
+    assert phase_of(text, markers, frames_only=True) == "init"
