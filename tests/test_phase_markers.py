@@ -165,3 +165,10 @@ def test_a_dataloader_built_with_the_train_batch_size_is_the_start_up(markers):
               ("/env/site-packages/torch/utils/data/sampler.py", 165, "__init__", "raise ValueError("),
               exc="ValueError: num_samples should be a positive integer value, but got num_samples=0")
     assert phase_of(text, markers, frames_only=True) == "init"
+
+
+def test_an_engine_building_its_process_groups_is_the_start_up(markers):
+    text = tb(("/env/site-packages/vllm/engine/multiprocessing/engine.py", 391, "run_mp_engine", "engine = MQLLMEngine.from_vllm_config("),
+              ("/env/site-packages/vllm/distributed/parallel_state.py", 1042, "init_distributed_environment", "torch.distributed.barrier()"),
+              exc="RuntimeError: HCCL function error: HcclCommInitRootInfo(numRanks, &rootInfo, rank, &(comm->hcclComm_)), error code is 7")
+    assert phase_of(text, markers, frames_only=True) == "init"
