@@ -142,3 +142,33 @@ def test_megatron_lm_initialising_is_the_start_up(markers):
               ("/work/Megatron-LM/megatron/training/initialize.py", 158, "_compile_dependencies", "torch.distributed.barrier()"),
               exc="RuntimeError: HIP error: invalid device function")
     assert phase_of(text, markers, frames_only=True) == "init"
+
+
+# vLLM-Ascend (the `vllm_ascend` plugin) runs the engine's forward in its own modules: an
+# attention, op or sampler frame of it is the rollout, as vLLM's own model_executor is.
+@pytest.mark.parametrize("frame", [
+    ("/env/site-packages/vllm_ascend/attention/attention_v1.py", 412, "forward", "torch_npu._npu_reshape_and_cache("),
+    ("/env/site-packages/vllm_ascend/ops/rotary_embedding.py", 90, "rope_forward_oot", "torch_npu._npu_rotary_embedding("),
+    ("/env/site-packages/vllm/attention/layer.py", 250, "forward", "return self.impl.forward(self, query, key, value)"),
+], ids=["ascend-attention", "ascend-op", "vllm-attention"])
+def test_an_ascend_engine_forward_is_the_rollout(markers, frame):
+    text = tb(("/env/site-packages/torch/nn/modules/module.py", 1750, "_call_impl", "return forward_call(*args, **kwargs)"), frame,
+              exc="RuntimeError: The Inner error is reported as above.")
+    assert phase_of(text, markers, frames_only=True) == "rollout"
+
+
+def test_a_dataloader_built_with_the_train_batch_size_is_the_start_up(markers):
+    # the config key `train_batch_size` in a start-up frame's source line is not the
+    # training call `train_batch(...)`
+    text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 480, "_create_dataloader",
+               "self.train_dataloader = StatefulDataLoader(dataset=self.train_dataset, batch_size=self.config.data.train_batch_size)"),
+              ("/env/site-packages/torch/utils/data/sampler.py", 165, "__init__", "raise ValueError("),
+              exc="ValueError: num_samples should be a positive integer value, but got num_samples=0")
+    assert phase_of(text, markers, frames_only=True) == "init"
+
+
+def test_an_engine_building_its_process_groups_is_the_start_up(markers):
+    text = tb(("/env/site-packages/vllm/engine/multiprocessing/engine.py", 391, "run_mp_engine", "engine = MQLLMEngine.from_vllm_config("),
+              ("/env/site-packages/vllm/distributed/parallel_state.py", 1042, "init_distributed_environment", "torch.distributed.barrier()"),
+              exc="RuntimeError: HCCL function error: HcclCommInitRootInfo(numRanks, &rootInfo, rank, &(comm->hcclComm_)), error code is 7")
+    assert phase_of(text, markers, frames_only=True) == "init"

@@ -119,3 +119,21 @@ def test_lines_of_an_event_take_its_writer():
     assert out["pid"].to_list() == [None, 77, 77, 77, None]
     assert out["node"].to_list() == [None, "n1", "n1", "n1", None]  # another file's event is its own
     assert out.columns == df.columns and out["line_no"].to_list() == df["line_no"].to_list()
+
+
+# vLLM's worker prefixes: a worker with its executor rank (`(VllmWorker rank=1 pid=N)`), and
+# an engine core inside a Ray actor, whose lines Ray copies behind the actor's prefix
+VLLM_WORKERS = (
+    "(VllmWorker rank=1 pid=40117) ERROR 10-02 14:20:05 [multiproc_executor.py:527] WorkerProc hit an exception.\n"
+    "(RolloutServer pid=20877) (EngineCore_DP0 pid=21190) ERROR 09-14 07:42:19 [core.py:842] Invocation of collective_rpc method failed\n"
+    "(RolloutServer pid=20877) (Worker_TP1 pid=21305) ERROR 09-14 07:42:19 [multiproc_executor.py:932] WorkerProc hit an exception.\n"
+)
+
+
+def test_vllm_worker_prefixes_name_the_inner_process_and_no_global_rank():
+    lines = _parse(VLLM_WORKERS)["lines"].sort("line_no")
+    assert lines["pid"].to_list() == [40117, 21190, 21305]
+    assert lines["actor"].to_list() == ["VllmWorker", "EngineCore_DP0", "Worker_TP1"]
+    assert lines["level"].to_list() == ["ERROR", "ERROR", "ERROR"]  # the vLLM header behind the prefixes was read
+    # an executor rank or a TP index is the worker's place in one engine, not a training rank
+    assert lines["rank"].to_list() == [None, None, None]

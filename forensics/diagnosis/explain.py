@@ -371,7 +371,7 @@ def render(d: Diagnosis, verbose: bool = False) -> str:
             lines.append(f"{label}: {r.id} — {r.title} (confidence {r.confidence:.2f})")
             how = {"pid_order": "by pid order", "start_order": "by worker start order", "lowest_free_rank": "guessed",
                    "missing_from_cascade": "the rank missing from the timeouts", "lagging": "behind in the collectives",
-                   "local_device": "from the local GPU index",
+                   "local_device": "from the local GPU index", "torchrun_summary": "from torchrun's failure summary",
                    "same_process": "from the process's other lines", "pid": "from the process's pid"}.get(r.rank_source or "")
             where = [(f"rank {r.rank}" + (f" ({how})" if how else "")) if r.rank is not None else "rank unknown",
                      f"node {r.node}" if r.node else None, f"phase {r.phase}" if r.phase else None,

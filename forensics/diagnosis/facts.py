@@ -162,6 +162,15 @@ class RunFacts:
             if pid is None or rank is None:
                 continue
             votes[pid][rank] += weight.get(source, 1) * min(int(n), 20)
+        # a verl worker of another node's placement group (`WorkerDict_<p>:<l>`, p > 0) holds
+        # rank p * <workers per node> + l: only with the run's workers per node
+        per_node = self.config.number("trainer.n_gpus_per_node")
+        if per_node:
+            for pid, pg, local, n in con.execute(
+                "SELECT pid, pg_index, local_index, count(*) FROM actor_deaths WHERE pid IS NOT NULL AND pg_index > 0 "
+                "AND local_index IS NOT NULL GROUP BY ALL ORDER BY ALL").fetchall():
+                if local < per_node:
+                    votes[pid][int(pg) * int(per_node) + int(local)] += weight["actor_name"] * min(int(n), 20)
         if table_exists(con, "nccl_rank_map"):
             try:
                 for pid, rank in con.execute("SELECT pid, rank FROM nccl_rank_map WHERE pid IS NOT NULL AND rank IS NOT NULL ORDER BY pid, rank").fetchall():
@@ -177,6 +186,16 @@ class RunFacts:
             (best, n), *rest = c.most_common()
             if not rest or n > rest[0][1]:
                 self.pid_rank[pid] = best
+        # the dead actor's pid each `ActorDiedError` block names, by the block's first line
+        self.death_pid: dict[tuple[int, int], int] = {
+            (f, ln): int(p) for f, ln, p in con.execute(
+                "SELECT file_id, line_no, pid FROM actor_deaths WHERE pid IS NOT NULL ORDER BY file_id, line_no").fetchall()}
+        # torchrun's ChildFailedError box: the child its agent saw fail first, per box
+        self.first_failed_children: list[tuple[int, int, int | None, int | None]] = []
+        if table_exists(con, "child_failures"):
+            self.first_failed_children = [tuple(r) for r in con.execute(
+                "SELECT file_id, rank, local_rank, pid FROM child_failures WHERE is_root_cause AND rank IS NOT NULL "
+                "ORDER BY file_id, line_no").fetchall()]
         row = con.execute(
             """SELECT max(TRY_CAST(regexp_extract(message, ' nranks (\\d+) ', 1) AS INTEGER))
                FROM lines WHERE header = 'nccl' AND contains(message, 'ncclCommInitRank')"""
@@ -269,6 +288,29 @@ class RunFacts:
                 return free[0], "lowest_free_rank"
         return None, None
 
+    def first_failed_child(self, h: Hit) -> int | None:
+        """The global rank torchrun's failure box gives the process of the hit: the box's
+        ``Root Cause (first observed failure)`` entry with the hit's pid; else, for a line
+        without a pid, the one entry printed in the hit's own file (the launcher's console,
+        where the child's traceback was copied), unless the local GPU index the line names
+        is another child's local rank."""
+        entries = self.first_failed_children
+        if not entries:
+            return None
+        by_pid = {r for _, r, _, p in entries if p is not None and p == h.proc}
+        if by_pid:
+            return by_pid.pop() if len(by_pid) == 1 else None
+        if h.proc is not None:
+            return None
+        here = [(r, lr) for f, r, lr, _ in entries if f == h.file_id]
+        if len({r for r, _ in here}) != 1:
+            return None
+        rank, local = here[0]
+        gpu = h.groups.get("gpu", "")
+        if local is not None and gpu.isdigit() and int(gpu) != local:
+            return None
+        return rank
+
     def nearest_rank(self, h: Hit) -> int | None:
         """The rank printed on the nearest line of the same process in the same file."""
         if h.proc is None or h.line_no is None:
@@ -302,6 +344,22 @@ class RunFacts:
         return int(max(before)) if before else None
 
 
+_OVERRIDE_LIST = re.compile(r"overrides: (\[.*\])\s*$")
+
+
+def _quoted_overrides(msg: str) -> list[str]:
+    """The items of a Hydra override list printed as a Python list (``overrides: ['a=1', 'b=x']``);
+    [] when the line has none or the list was cut off."""
+    m = _OVERRIDE_LIST.search(msg)
+    if not m:
+        return []
+    try:
+        items = ast.literal_eval(m.group(1))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return []  # cut off in the paste: the space-separated form above still reads what it can
+    return [x for x in items if isinstance(x, str)] if isinstance(items, list) else []
+
+
 class RunConfig:
     """The run's configuration as its logs show it: Hydra overrides on the command line and
     the resolved config dict verl prints at start-up (a pprint of nested dicts)."""
@@ -319,12 +377,19 @@ class RunConfig:
         override = re.compile(rf"(?:^|\s)\+{{0,2}}((?:{top})(?:\.[\w]+)+)=('[^']*'|\"[^\"]*\"|\S+)")
         for (msg,) in con.execute(
             # contains() first: a substring test is several times cheaper than the regex on every line
-            f"SELECT message FROM lines WHERE contains(message, '=') AND regexp_matches(message, '(?:^|\\s)\\+{{0,2}}(?:{top})\\.[\\w.]+=') "
+            f"SELECT message FROM lines WHERE contains(message, '=') AND regexp_matches(message, '(?:^|[\\s''\\[])\\+{{0,2}}(?:{top})\\.[\\w.]+=') "
             "ORDER BY file_id, line_no LIMIT 5000"
         ).fetchall():
             for key, raw in override.findall(msg):
                 raw = raw.rstrip("\\").strip()
                 if raw:
+                    values.setdefault(key, _literal(raw))
+            # Hydra's failure line lists the overrides as a Python list of quoted strings:
+            # `Error executing job with overrides: ['trainer.nnodes=2', ...]`
+            for item in _quoted_overrides(msg):
+                key, _, raw = item.partition("=")
+                key = key.lstrip("+")
+                if raw and re.fullmatch(rf"(?:{top})(?:\.\w+)+", key):
                     values.setdefault(key, _literal(raw))
         dump = cls._config_dump(con)
         for k, v in dump.items():

@@ -255,6 +255,10 @@ def root_rank(ctx: Context, root: Event, hits: list[Hit], facts: RunFacts, pool:
     same = {h.rank for e in pool if e.cls == root.cls and e is not root for h in e.hits if h.rank is not None}
     if len(same) == 1:
         return same.pop(), "same_failure"
+    for h in ordered:  # torchrun's failure box names the child that failed first
+        r = facts.first_failed_child(h)
+        if r is not None:
+            return r, "torchrun_summary"
     timeouts = timeout_rules(ctx)
     watchdog = [(h.rank, h.node) for h in hits if h.rule.id in timeouts and h.rank is not None]
     # the local device of an NCCL line, or the GPU index of an OOM message, on its node

@@ -313,6 +313,11 @@ class Event:
         best_own = min(own(h) for h in self.hits)
         pool = [h for h in self.hits if own(h) == best_own]
         first = min(pool, key=lambda h: (h.ts or datetime.max, h.path, h.line_no or 0))
+        # a line of the same file above it that has no stamp of its own (an NCCL WARN before
+        # the first stamped record) happened before it: a file is written in time order
+        above = [h for h in pool if h.path == first.path and h.ts is None and (h.line_no or 0) < (first.line_no or 0)]
+        if above:
+            first = min(above, key=lambda h: h.line_no or 0)
         better = [h for h in pool if h.path == first.path and h.rule.weight >= first.rule.weight + 0.2
                   and (h.ts is None or first.ts is None or abs(h.ts - first.ts) <= timedelta(seconds=2))]
         return max(better, key=lambda h: h.rule.weight) if better else first

@@ -85,6 +85,10 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
     first_metric_line = {fid: ln for fid, ln in ctx.con.execute(
         "SELECT file_id, min(line_no) FROM metrics WHERE step >= 1 GROUP BY file_id").fetchall()}
     for h in hits:
+        # an ActorDiedError block is about the actor it names (its `pid:` line below the head)
+        dead = facts.death_pid.get((h.file_id, h.line_no)) if h.line_no is not None else None
+        if dead is not None and not h.groups.get("pid"):
+            h.groups["pid"] = str(dead)
         # rank: printed on the line, named in its text, or known for its process
         named = [int(x) for x in re.findall(r"\d+", h.groups.get("ranks", ""))]
         if len(named) == 1:  # a report naming one other rank (the desync report's lagging rank)
@@ -123,6 +127,9 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
             src = "frames" if ph else None
         if ph is None and h.proc is not None and h.proc in task_methods:
             ph, src = ctx.phase_of(task_methods[h.proc]), "ray_task"
+        if ph is None and h.groups.get("method"):  # the task the line names (a killed task's name)
+            ph = ctx.phase_of(h.groups["method"])
+            src = "ray_task" if ph else None
         if ph is None and h.actor:  # the role the actor plays (a reference model only runs forwards)
             ph = ctx.phase_of(h.actor)
             src = "actor" if ph else None

@@ -6,7 +6,8 @@
 -- `message` (`[Rank N]`, `[rank N]`, `[actor rank N]`, a logger named `....rankN:<line> - ` printed by a
 -- process whose pid is known),
 -- `nccl_init` (`ncclCommInitRank ... rank R nranks N` of the largest communicator: the world),
--- `actor_name` (an `ActorDiedError` block naming `<prefix>WorkerDict_0:<R>` for a pid).
+-- `actor_name` (an `ActorDiedError` block naming `<prefix>WorkerDict_0:<R>` for a pid: the first
+-- node's workers; another node's `_<p>:<l>` needs the workers per node, which diagnose reads from the config).
 -- `node` is the host/IP seen with that pid. Evidence can disagree (a pid reused, a TP group
 -- rank); diagnose takes the rank most lines agree on.
 --

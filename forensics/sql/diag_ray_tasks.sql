@@ -8,13 +8,16 @@
 -- `exception` is the original exception class (`OutOfMemoryError`, `ActorDiedError`, ...),
 -- `method` the task that failed (`actor_rollout_update_actor`, `generate_sequences`, `run`),
 -- which tells the phase of the step; `pid` / `ip` identify the worker process.
--- `actor_deaths`: the `ActorDiedError` blocks: the dead actor's `pid`, its `actor_name`
--- (`<prefix>WorkerDict_0:3` names the group member, i.e. the rank) and `ip`.
+-- `actor_deaths`: the `ActorDiedError` blocks: the dead actor's `pid`, its `actor_name` and `ip`.
+-- verl names a worker group's actors `<prefix><Class>_<p>:<l>`: `p` the placement group (one
+-- per node, `pg_index`), `l` the worker's place in it (`local_index`, its local rank), so the
+-- global rank is `p * <workers per node> + l`; `member_index` is that rank where the name
+-- alone tells it (the first placement group, `p = 0`), else null.
 --
 -- ```sql
 -- SELECT f.path, r.line_no, r.exception, r.actor_class, r.method, r.pid, r.ip
 -- FROM ray_task_errors r JOIN files f USING (file_id) ORDER BY r.file_id, r.line_no;
--- SELECT pid, actor_name, member_index, ip FROM actor_deaths;
+-- SELECT pid, actor_name, member_index, pg_index, local_index, ip FROM actor_deaths;
 -- ```
 CREATE OR REPLACE VIEW ray_task_errors AS
 SELECT
@@ -48,7 +51,10 @@ SELECT
     h.ts,
     TRY_CAST(max(f.v) FILTER (WHERE f.k = 'pid') AS BIGINT) AS pid,
     max(f.v) FILTER (WHERE f.k = 'name') AS actor_name,
-    TRY_CAST(nullif(regexp_extract(max(f.v) FILTER (WHERE f.k = 'name'), '_\d+:(\d+)$', 1), '') AS INTEGER) AS member_index,
+    CASE WHEN TRY_CAST(nullif(regexp_extract(max(f.v) FILTER (WHERE f.k = 'name'), '_(\d+):\d+$', 1), '') AS INTEGER) = 0
+         THEN TRY_CAST(nullif(regexp_extract(max(f.v) FILTER (WHERE f.k = 'name'), '_\d+:(\d+)$', 1), '') AS INTEGER) END AS member_index,
+    TRY_CAST(nullif(regexp_extract(max(f.v) FILTER (WHERE f.k = 'name'), '_(\d+):\d+$', 1), '') AS INTEGER) AS pg_index,
+    TRY_CAST(nullif(regexp_extract(max(f.v) FILTER (WHERE f.k = 'name'), '_\d+:(\d+)$', 1), '') AS INTEGER) AS local_index,
     max(f.v) FILTER (WHERE f.k = 'ip') AS ip,
     max(f.v) FILTER (WHERE f.k = 'class_name') AS class_name
 FROM heads h JOIN fields f ON f.file_id = h.file_id AND f.line_no BETWEEN h.line_no + 1 AND h.line_no + 8

@@ -18,8 +18,11 @@ import polars as pl
 from ..base import Format, LineFormat, Sniff
 from .common import apply_header, g
 
+# vLLM V1's multiprocess workers print their executor rank in the prefix too
+# (`(VllmWorker rank=1 pid=123)`): the worker's rank within one engine (its TP/PP place),
+# not a global training rank, so it is not kept as the line's rank
 _WORKER = (
-    r"^(?P<h>\((?:(?P<actor>[A-Za-z_][\w.<>\-]*) )?pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
+    r"^(?P<h>\((?:(?P<actor>[A-Za-z_][\w.<>\-]*) )?(?:rank=\d+ )?pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^)\s,]+))?\) ?)"
 )
 _SYSTEM = r"^(?P<h>\((?P<actor>raylet|autoscaler|gcs_server|monitor|dashboard\w*|log_monitor)(?:, ip=(?P<ip>[^)\s,]+)|[ ,][^)]*)?\) ?)"
 _DEDUP = r" ?\[repeated (\d+)x across cluster\](?: \(Ray deduplicates logs by default\..*)?$"
@@ -27,7 +30,10 @@ _DEDUP = r" ?\[repeated (\d+)x across cluster\](?: \(Ray deduplicates logs by de
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     starts = pl.col("message").str.starts_with("(")
-    for pattern in (_WORKER, _SYSTEM):
+    # _WORKER twice: a process a Ray worker started prints behind its own prefix, and Ray
+    # copies that line behind the worker's (`(LLMRayActor pid=1) (EngineCore_DP0 pid=2) ERROR
+    # ...`, vLLM V1's engine core inside a Ray actor); the inner process printed the line
+    for pattern in (_WORKER, _WORKER, _SYSTEM):
         fields = {"actor": g("actor"), "node": pl.coalesce(g("ip"), pl.col("node"))}
         if pattern is _WORKER:
             fields["pid"] = g("pid").cast(pl.Int64)
@@ -42,7 +48,7 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
 
 
 # A driver console line: a worker's line copied behind its Ray prefix, colour codes and all.
-DRIVER_LINE = re.compile(rb"\n(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?pid=\d+(?:, ip=[^)]+)?\)")
+DRIVER_LINE = re.compile(rb"\n(?:\x1b\[[\d;]*m)*\((?:[\w.<>\-]+ )?(?:rank=\d+ )?pid=\d+(?:, ip=[^)]+)?\)")
 
 FORMATS = (
     LineFormat("ray_driver", 10, annotate),  # first: the prefix hides every header behind it
