@@ -14,6 +14,7 @@ bench/bench_startup.py times it).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -50,39 +51,52 @@ def _plain_values(param):
 
 
 def _plain_runtime_param(param):
+    """The check of ``param``'s value without pydantic, or None for an annotation other than
+    str, bool, int, Optional[str] and List[str] (or a typer without runtime checks)."""
     desc = getattr(param, "type_descriptor", None)
-    if desc is None:  # a typer without runtime coercion
+    if desc is None:
         return None
-    from typer._coercion import RuntimeParam
-    from typer._click.exceptions import BadParameter
-
     annotation = desc.annotation
     args = getattr(annotation, "__args__", ())
     if getattr(annotation, "__origin__", None) is list and args == (str,):
         kind = "strs"
-    elif annotation in (str, bool, int) or (args and set(args) == {str, type(None)}):
-        kind = "int" if annotation is int else "str"
+    elif annotation is int:
+        kind = "int"
+    elif annotation in (str, bool) or (args and set(args) == {str, type(None)}):
+        kind = "as_parsed"  # click's string, or the flag's bool (None is handled before: RuntimeParam.coerce)
     else:
         return None
-    info = desc.parameter_info
+    return _plain_class()(parameter_info=desc.parameter_info, annotation=annotation, kind=kind)
 
-    class _Plain(RuntimeParam):
+
+@functools.cache
+def _plain_class():
+    from dataclasses import dataclass
+
+    from typer._coercion import RuntimeParam  # typer's own base: coerce() handles None and multiple values
+    from typer._click.exceptions import BadParameter
+
+    @dataclass(frozen=True)
+    class PlainRuntimeParam(RuntimeParam):
+        kind: str = "as_parsed"
+
         def _coerce_value(self, value, param, ctx):
-            if kind == "strs":
+            if self.kind == "strs":
                 return [str(v) for v in value]
-            if kind == "str" or isinstance(value, bool):
+            if self.kind == "as_parsed" or isinstance(value, bool):
                 return value
             try:
                 number = int(value)
             except (TypeError, ValueError):
                 raise BadParameter("Input should be a valid integer", ctx=ctx, param=param) from None
+            info = self.parameter_info
             if info.min is not None and number < info.min:
                 raise BadParameter(f"Input should be greater than or equal to {info.min}", ctx=ctx, param=param)
             if info.max is not None and number > info.max:
                 raise BadParameter(f"Input should be less than or equal to {info.max}", ctx=ctx, param=param)
             return number
 
-    return _Plain(parameter_info=info, annotation=annotation)
+    return PlainRuntimeParam
 
 
 class _ArgumentWithoutType(TyperArgument):

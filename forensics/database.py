@@ -89,6 +89,7 @@ def memory_limit(con: duckdb.DuckDBPyConnection, default: str = DB_MEMORY):
     finally:
         con.execute("SET memory_limit = ?", [before]).fetchall()
 
+
 class StoreError(RuntimeError):
     """The database cannot be opened (not a DuckDB file, unwritable folder, damaged file);
     the message says why, in words."""
