@@ -106,7 +106,7 @@ EXAMPLE_KEYS = {"match", "no_match"}
 # what rules may ask of the run beside other rules: ``run:<software>`` when the run holds
 # logs of that software (forensics.diagnosis.facts.run_traits)
 TRAIT_PREFIX = "run:"
-CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "missing_rank", "unexplained",
+CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "waits", "missing_rank", "unexplained",
                   "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific"}
 NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
@@ -251,6 +251,17 @@ class Stall:
 
 
 @dataclass(frozen=True)
+class Wait:
+    """A run whose logs end while it waits (a line of rule ``rule``, a context rule) with no
+    failure, no end and no step logged after the wait began: the wait is the root cause, of
+    class ``becomes``."""
+
+    rule: str
+    becomes: str
+    note: str
+
+
+@dataclass(frozen=True)
 class MissingRank:
     """A cascade of ``timeouts`` (rule ids) with root class ``source`` in which exactly one
     rank of the world never timed out (or lags in the counters): the root becomes ``becomes``."""
@@ -286,6 +297,7 @@ class Causality:
     collective_timeouts: tuple[str, ...] = ()
     shutdown_noise: tuple[str, ...] = ()
     stalls: tuple[Stall, ...] = ()
+    waits: tuple[Wait, ...] = ()
     missing_rank: tuple[MissingRank, ...] = ()
     unexplained: str | None = None
     gives_way: tuple[GivesWay, ...] = ()
@@ -352,6 +364,8 @@ class Catalogue:
             out.add(self.causality.unexplained)
         for st in self.causality.stalls:
             out.add(st.becomes)
+        for w in self.causality.waits:
+            out.add(w.becomes)
         for mr in self.causality.missing_rank:
             out.add(mr.becomes)
         return out
@@ -609,6 +623,13 @@ def _causality(raw: dict[str, tuple[Any, str]], rule_ids: set[str], classes: set
                 stalls.append(Stall(m["started"], m["finished"], names(key, m["explains"], classes, "class(es)"),
                                     names(key, m["becomes"], classes, "class")[0], str(m["note"])))
             out.stalls = tuple(stalls)
+        elif key == "waits":
+            waits = []
+            for item in value or []:
+                m = mapping(key, item, {"rule", "becomes", "note"})
+                waits.append(Wait(names(key, m["rule"], rule_ids, "rule")[0], names(key, m["becomes"], classes, "class")[0],
+                                  str(m["note"])))
+            out.waits = tuple(waits)
         elif key == "missing_rank":
             out.missing_rank = tuple(
                 MissingRank(names(key, m["from"], classes, "class")[0], names(key, m["timeouts"], rule_ids, "rule(s)"),

@@ -198,6 +198,24 @@ def stalled(ctx: Context, hits: list[Hit], root_cls: str) -> tuple[Hit, str, str
     return None
 
 
+def waited(ctx: Context, hits: list[Hit], facts: RunFacts) -> tuple[Hit, str, str] | None:
+    """The run's logs end while it waits (``causality.waits``): the first line of a wait
+    rule, when no step was logged at or after it (the caller asks only when there is no
+    failure, no end and no stop): (that line, the class it becomes, the note)."""
+    for w in ctx.causality.waits:
+        waiting = [h for h in hits if h.rule.id == w.rule]
+        if not waiting:
+            continue
+        first = min(waiting, key=lambda h: (h.ts is None, h.ts or datetime.min, h.path, h.line_no or 0))
+        if first.ts is None:
+            progressed = bool(facts.step_times)  # no time to compare: any step logged counts as progress
+        else:
+            progressed = any(t is not None and t >= first.ts for _, t in facts.step_times)
+        if not progressed:
+            return first, w.becomes, w.note.format(path=first.path, line=first.line_no)
+    return None
+
+
 def _explains(f: Event, e: Event, window_s: float) -> bool:
     """``f`` was seen before ``e`` (or within ``window_s`` after it): by time when both are
     stamped, else by position when they are in one file."""
@@ -257,6 +275,14 @@ def choose(ctx: Context, hits: list[Hit], alarms: list[detectors.Alarm], facts: 
         # only consequences are visible (a DistBackendError, an aborted communicator): the
         # failure they follow from is the root, for lack of anything earlier
         fallbacks, symptoms = [Event(cls=e.cls, hits=e.hits, role="fallback") for e in symptoms], []
+    if not causes and not fallbacks and not ends and not stops:
+        wait = waited(ctx, hits, facts)
+        if wait is not None:
+            # nothing failed and nothing ended: the run was still waiting when its logs end
+            h, becomes, note = wait
+            h.cls = becomes
+            fallbacks = [Event(cls=becomes, hits=[h], role="fallback")]
+            notes.append(note)
     if not causes and not fallbacks:
         return Choice(None, [], [], [], symptoms, ends, stops, notes)
 
