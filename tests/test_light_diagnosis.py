@@ -143,3 +143,33 @@ def test_many_candidates_try_every_rule(bundles_db, monkeypatch):
         assert con.execute(matching._hits_sql(cat.rules, many)).fetchall() == con.execute(matching._hits_sql(cat.rules, few)).fetchall()
     finally:
         con.close()
+
+
+def test_the_keyword_pre_check_in_python_is_duckdbs(bundles_db, tmp_path):
+    """The pre-check over ASCII messages in Python keeps the same rules as DuckDB's
+    `contains` / `lower` over the same candidates; a non-ASCII candidate sends it to DuckDB."""
+    cat = sig.load()
+    con = duckdb.connect(bundles_db, read_only=True)
+    try:
+        matching.candidates(con, cat.rules, cat.rank_zero_prints)
+        assert matching._rules_with_candidates(con, cat.rules) == matching._rules_with_candidates(con, cat.rules, in_python=False)
+    finally:
+        con.close()
+    # a candidate with a non-ASCII message (a character whose lower case may differ between
+    # Python and DuckDB)
+    run = tmp_path / "u"
+    run.mkdir()
+    (run / "train.log").write_text("İ→ torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n", encoding="utf-8")
+    db = str(tmp_path / "u.duckdb")
+    forensics.ingest(str(run), db=db, workers=1).close()
+    con = duckdb.connect(db, read_only=True)
+    try:
+        matching.candidates(con, cat.rules, cat.rank_zero_prints)
+        msgs = [m for (m,) in con.execute("SELECT message FROM diag_candidates").fetchall()]
+        assert msgs and not all(m.isascii() for m in msgs)
+        kept = matching._rules_with_candidates(con, cat.rules)
+        assert kept == matching._rules_with_candidates(con, cat.rules, in_python=False)
+        oom = [i for i, r in enumerate(cat.rules) if r.cls == "oom_training" or r.id == "torch_cuda_oom"]
+        assert set(oom) & set(kept)  # the line's rule is tried
+    finally:
+        con.close()

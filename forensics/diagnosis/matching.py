@@ -130,23 +130,32 @@ def _hits_sql(rules: list[Rule], kept: Iterable[int] | None = None) -> str:
 PRECHECK_MAX_CANDIDATES = 10_000
 
 
-def _rules_with_candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule]) -> list[int]:
+def _rules_with_candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], in_python: bool = True) -> list[int]:
     """The indexes of the rules with line patterns that can match a candidate: those whose
     keyword test (the first condition of :func:`_rule_sql`) holds on at least one, and
-    those without keywords. One aggregate over the candidates: the union of the rest would
-    only be planned to give no row. Every rule with line patterns when there are more than
-    PRECHECK_MAX_CANDIDATES candidates."""
-    if con.execute("SELECT count(*) FROM diag_candidates").fetchall()[0][0] > PRECHECK_MAX_CANDIDATES:
-        return [i for i, r in enumerate(rules) if r.patterns]
-    # keyword_sql's test, with each message lowered once for all the case-insensitive keywords
-    with_kw = [(i, [f"contains(message, {sql_str(k)})" for k in r.keywords]
-                + [f"contains(lowered, {sql_str(k.lower())})" for k in r.keywords_ci]) for i, r in enumerate(rules) if r.patterns]
-    tests = [(i, " OR ".join(kw)) for i, kw in with_kw if kw]
-    out = {i for i, kw in with_kw if not kw}
-    if tests:
-        present = con.execute("SELECT [" + ", ".join(f"coalesce(bool_or({kw}), false)" for _, kw in tests)
+    those without keywords: the union of the rest would only be planned to give no row.
+    Every rule with line patterns when there are more than PRECHECK_MAX_CANDIDATES
+    candidates. The test runs in Python over the candidates' messages when they are ASCII
+    (``in_python``; substrings and lower case are then the same as DuckDB's), else as one
+    aggregate in DuckDB."""
+    rows = con.execute(f"SELECT message FROM diag_candidates LIMIT {PRECHECK_MAX_CANDIDATES + 1}").fetchall()
+    with_patterns = [i for i, r in enumerate(rules) if r.patterns]
+    if len(rows) > PRECHECK_MAX_CANDIDATES:
+        return with_patterns
+    out = {i for i in with_patterns if not rules[i].keywords and not rules[i].keywords_ci}
+    tested = [i for i in with_patterns if i not in out]
+    text = "\0".join(m for (m,) in rows if m)  # no keyword holds a NUL: none matches across two messages
+    if in_python and text.isascii():
+        lowered = text.lower()
+        out.update(i for i in tested if any(k in text for k in rules[i].keywords)
+                   or any(k.lower() in lowered for k in rules[i].keywords_ci))
+    elif tested:
+        # keyword_sql's test, with each message lowered once for all the case-insensitive keywords
+        tests = [" OR ".join([f"contains(message, {sql_str(k)})" for k in rules[i].keywords]
+                             + [f"contains(lowered, {sql_str(k.lower())})" for k in rules[i].keywords_ci]) for i in tested]
+        present = con.execute("SELECT [" + ", ".join(f"coalesce(bool_or({kw}), false)" for kw in tests)
                               + "] FROM (SELECT message, lower(message) AS lowered FROM diag_candidates)").fetchall()[0][0]
-        out.update(i for (i, _), ok in zip(tests, present) if ok)
+        out.update(i for i, ok in zip(tested, present) if ok)
     return sorted(out)
 
 
