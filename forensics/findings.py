@@ -43,6 +43,11 @@ def _median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _sources(rows: list[dict]) -> list[str]:
+    """The distinct sources of ``rows``, sorted (a row without one names none)."""
+    return sorted({r["source"] for r in rows if r["source"] is not None})
+
+
 def _fmt_steps(steps: list[int]) -> str:
     steps = sorted(steps)
     if len(steps) > 6:
@@ -96,7 +101,7 @@ def straggler_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
             continue
         flagged = sorted(r["step"] for r in hit)
         gap, mine, peer = (_median([r[k] for r in hit]) for k in ("gap_s", "busy_s", "peer_s"))
-        sources = sorted({r["source"] for r in rows})
+        sources = _sources(rows)
         detail = (
             f"rank {rank} is slower than its peers in {phase} in {len(flagged)} of {len(rows)} measured steps "
             f"(steps {_fmt_steps(flagged)}): {mine:.2f} s busy vs {peer:.2f} s "
@@ -130,7 +135,7 @@ def slow_sync_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dict]:
     if med_share < cfg["min_share"] or med_sync < cfg["min_s"]:
         return []
     worst = _first_max([{**r, "share": x} for r, x in zip(steps, shares)], "share")
-    sources = ", ".join(sorted({r["source"] for r in steps}))
+    sources = ", ".join(_sources(steps))
     return [{
         "id": "slow_weight_sync", "rank": None, "phase": "sync",
         "detail": (f"weight sync takes {med_share:.0%} of the step in the median step ({med_sync:.2f} s of "
@@ -183,7 +188,7 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
                            f"{med_ratio:.1f}x the other ranks' median; rank {rank} is the slowest in "
                            f"{slowest.count(rank)} of {len(slowest)} steps and the others wait for it"),
                 "steps": sorted(r[1] for r in ratios if r[0] >= cfg["rank_ratio"]), "value": round(med_ratio, 3),
-                "source": ", ".join(sorted({r["source"] for r in per_rank})), "evidence": [],
+                "source": ", ".join(_sources(per_rank)), "evidence": [],
             })
     # across steps
     run = _q(con, "SELECT step, rollout_s, step_s, source FROM phase_run_steps WHERE step >= ? AND rollout_s > 0 ORDER BY step",
@@ -199,7 +204,7 @@ def rollout_tail_findings(con: duckdb.DuckDBPyConnection, cfg: dict) -> list[dic
                            f"{top['rollout_s'] / med:.1f}x the median step's {med:.2f} s "
                            f"({len(long_steps)} step(s) at {cfg['step_ratio']}x or more: {_fmt_steps(long_steps)})"),
                 "steps": long_steps, "value": round(top["rollout_s"] / med, 3),
-                "source": ", ".join(sorted({r["source"] for r in run})),
+                "source": ", ".join(_sources(run)),
                 "evidence": _metric_evidence(con, top["step"], "(?i)^timing(_s)?/gen"),
             })
     # within a step: response lengths
