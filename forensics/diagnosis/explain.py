@@ -217,7 +217,9 @@ class PendingFindings:
 
             # a cursor has TEMP views and macros of its own: the same run, its own phase rules
             p._cursor = con.cursor()
-            restrict_to_run(p._cursor, restricted_run(con))
+            run_id = restricted_run(con)
+            if run_id is not None:
+                restrict_to_run(p._cursor, run_id)
             p._cursor.execute("SET enable_progress_bar = false").fetchall()
             p._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forensics-findings")
             p._future = p._pool.submit(performance_findings, p._cursor, p.notes)
