@@ -19,11 +19,13 @@ def sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def keyword_sql(column: str, cs: Iterable[str], ci: Iterable[str] = ()) -> str | None:
+def keyword_sql(column: str, cs: Iterable[str], ci: Iterable[str] = (), lowered: str | None = None) -> str | None:
     """The substring test a regex's keywords make (catalogue.derive_keywords: case-sensitive
     ``cs``, case-insensitive ``ci``), ``(contains(...) OR ...)`` over ``column``; None without
-    keywords. Cheap, it keeps the regexes off most rows."""
-    kw = [f"contains({column}, {sql_str(k)})" for k in cs] + [f"contains(lower({column}), {sql_str(k.lower())})" for k in ci]
+    keywords. Cheap, it keeps the regexes off most rows. ``lowered``: a column holding
+    ``lower(column)`` already, for many tests of the same rows."""
+    low = lowered or f"lower({column})"
+    kw = [f"contains({column}, {sql_str(k)})" for k in cs] + [f"contains({low}, {sql_str(k.lower())})" for k in ci]
     return "(" + " OR ".join(kw) + ")" if kw else None
 
 

@@ -144,15 +144,14 @@ def _rules_with_candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], in
         return with_patterns
     out = {i for i in with_patterns if not rules[i].keywords and not rules[i].keywords_ci}
     tested = [i for i in with_patterns if i not in out]
-    text = "\0".join(m for (m,) in rows if m)  # no keyword holds a NUL: none matches across two messages
+    text = "\0".join(m for (m,) in rows if m) if in_python else ""  # no keyword holds a NUL: none matches across two messages
     if in_python and text.isascii():
         lowered = text.lower()
         out.update(i for i in tested if any(k in text for k in rules[i].keywords)
                    or any(k.lower() in lowered for k in rules[i].keywords_ci))
     elif tested:
         # keyword_sql's test, with each message lowered once for all the case-insensitive keywords
-        tests = [" OR ".join([f"contains(message, {sql_str(k)})" for k in rules[i].keywords]
-                             + [f"contains(lowered, {sql_str(k.lower())})" for k in rules[i].keywords_ci]) for i in tested]
+        tests = [keyword_sql("message", rules[i].keywords, rules[i].keywords_ci, lowered="lowered") for i in tested]
         present = con.execute("SELECT [" + ", ".join(f"coalesce(bool_or({kw}), false)" for kw in tests)
                               + "] FROM (SELECT message, lower(message) AS lowered FROM diag_candidates)").fetchall()[0][0]
         out.update(i for i, ok in zip(tested, present) if ok)

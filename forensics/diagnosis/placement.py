@@ -7,7 +7,6 @@ import bisect
 import re
 from collections import defaultdict
 
-
 from .context import Context
 from .facts import RunFacts
 from .model import PRECISE, Hit
