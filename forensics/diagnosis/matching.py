@@ -22,8 +22,10 @@ def _any_regex(column: str, patterns: Iterable[str]) -> str:
     return "(" + " OR ".join(f"regexp_matches({column}, {sql_str(p)})" for p in patterns) + ")"
 
 
-def _rule_sql(idx: int, r: Rule) -> str:
-    # the rule's own keywords first: a cheap substring test keeps the regexes off most rows
+def _message_conds(r: Rule) -> list[str]:
+    """The tests of rule ``r`` that read only ``message``: its keywords first (a cheap
+    substring test keeps the regexes off most rows), its patterns, negative patterns and
+    the code-line test."""
     kw = keyword_sql("message", r.keywords, r.keywords_ci)
     conds = [kw] if kw else []
     conds.append(_any_regex("message", r.patterns))
@@ -31,6 +33,12 @@ def _rule_sql(idx: int, r: Rule) -> str:
         conds.append("NOT " + _any_regex("message", r.negative))
     if not r.match_code_lines:
         conds.append(f"NOT regexp_matches(message, {sql_str(sig.CODE_LINE)})")
+    return conds
+
+
+def _line_conds(r: Rule) -> list[str]:
+    """The tests of rule ``r`` on the rest of a candidate line (its ``where``)."""
+    conds = []
     w = r.where
     for col in ("header", "format", "level", "actor"):
         if w.get(col):
@@ -43,7 +51,14 @@ def _rule_sql(idx: int, r: Rule) -> str:
         conds.append("event_line IS NOT NULL")
     elif w.get("in_traceback") is False:
         conds.append("event_line IS NULL")
-    return f"SELECT {idx} AS rule_idx, file_id, line_no FROM diag_candidates WHERE " + " AND ".join(conds)
+    return conds
+
+
+def _rule_sql(idx: int, r: Rule) -> str:
+    """Rule ``r``'s message tests over the distinct candidate messages (``diag_messages``):
+    a big run prints the same line on many ranks and nodes, and each regex then runs once
+    per text instead of once per line."""
+    return f"SELECT {idx} AS rule_idx, message FROM diag_messages WHERE " + " AND ".join(_message_conds(r))
 
 
 # A file is hard-wrapped when a terminal cut its lines at a fixed width W (a paste of a
@@ -84,8 +99,9 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
 
 def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterable[str] = ()) -> None:
     """The one scan of ``lines``: the TEMP table ``diag_candidates`` of the lines that contain
-    a rule keyword or match one of the ``extra`` patterns (read by later steps too). A
-    hard-wrapped logical line is matched whole, at its first physical line."""
+    a rule keyword or match one of the ``extra`` patterns (read by later steps too), and
+    ``diag_messages``, their distinct messages. A hard-wrapped logical line is matched
+    whole, at its first physical line."""
     wrapped_records(con)
     msg = "coalesce(w.message, l.message)"
     # one alternation of plain literals keeps RE2 on its fast path; extra patterns (regexes
@@ -106,18 +122,26 @@ def candidates(con: duckdb.DuckDBPyConnection, rules: list[Rule], extra: Iterabl
             FROM lines l JOIN files f USING (file_id) LEFT JOIN diag_wrapped w USING (file_id, line_no)
             WHERE {" OR ".join(conds)}"""
     )
+    con.execute("CREATE OR REPLACE TEMP TABLE diag_messages AS SELECT DISTINCT message FROM diag_candidates WHERE message IS NOT NULL")
 
 
 def _hits_sql(rules: list[Rule], kept: Iterable[int] | None = None) -> str:
     """The rule hits over ``diag_candidates``: one row per (rule, line), at most
     MAX_HITS_PER_RULE_FILE per rule and file, in (file, line, rule) order. ``kept``: the
-    indexes of the rules to try (default: every rule with line patterns)."""
+    indexes of the rules to try (default: every rule with line patterns). The message tests
+    run on the distinct messages (``diag_messages``, made by :func:`candidates`); the rest
+    of a rule's ``where`` on the lines that carry a matching message."""
     kept = set(range(len(rules)) if kept is None else kept)
-    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in enumerate(rules) if r.patterns and i in kept) \
-        or "SELECT NULL::INTEGER AS rule_idx, file_id, line_no FROM diag_candidates WHERE false"
+    chosen = [(i, r) for i, r in enumerate(rules) if r.patterns and i in kept]
+    union = "\nUNION ALL\n".join(_rule_sql(i, r) for i, r in chosen) \
+        or "SELECT NULL::INTEGER AS rule_idx, message FROM diag_messages WHERE false"
+    line_tests = [(i, _line_conds(r)) for i, r in chosen]
+    line_tests = [f"WHEN {i} THEN " + " AND ".join(c) for i, c in line_tests if c]
+    where = f"WHERE CASE m.rule_idx {' '.join(line_tests)} ELSE true END" if line_tests else ""
     return f"""
         WITH m AS ({union}),
-        k AS (SELECT * FROM m QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
+        j AS (SELECT m.rule_idx, c.file_id, c.line_no FROM m JOIN diag_candidates c USING (message) {where}),
+        k AS (SELECT * FROM j QUALIFY row_number() OVER (PARTITION BY rule_idx, file_id ORDER BY line_no) <= {MAX_HITS_PER_RULE_FILE})
         SELECT k.rule_idx, c.* FROM k JOIN diag_candidates c USING (file_id, line_no)
         ORDER BY c.file_id, c.line_no, k.rule_idx"""
 
