@@ -12,26 +12,58 @@ from ..catalogue import Catalogue
 _FRAME_LINE = re.compile(r'^\s*File "|ray::\S+ \(pid=\d+|^\s+[\w.<>]+ \([^()]+\.py:\d+\)$')  # python, Ray task, py-spy frames
 
 
-def phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]], frames_only: bool = False) -> str | None:
+LineVerdict = tuple[int | None, str | None]  # (first override marker that matches, first other marker's phase)
+
+
+def line_verdict(line: str, markers: list[tuple[str, re.Pattern, bool]]) -> LineVerdict:
+    """What the phase markers say of one line: the index of the first ``override`` marker
+    that matches it, and the phase of the first other marker that does (None: none)."""
+    first_override = plain = None
+    for i, (phase, rx, override) in enumerate(markers):
+        if override:
+            if first_override is None and rx.search(line):
+                first_override = i
+        elif plain is None and rx.search(line):
+            plain = phase
+        if plain is not None and first_override is not None:
+            break
+    return first_override, plain
+
+
+LINE_VERDICTS_KEPT = 200_000  # distinct lines whose verdicts a Context keeps at a time
+
+
+def phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]], frames_only: bool = False,
+             verdicts: dict[str, LineVerdict] | None = None) -> str | None:
     """The phase a traceback (or a task name) implies: an ``override`` phase whose marker
-    matches any line wins; otherwise the deepest (last) line that matches a marker decides.
-    ``frames_only``: read only the frame and source lines of a traceback (not the text of
-    the exception, which may list anything, e.g. every process on the node)."""
+    matches any line wins (the first such marker); otherwise the deepest (last) line that
+    matches a marker decides. ``frames_only``: read only the frame and source lines of a
+    traceback (not the text of the exception, which may list anything, e.g. every process
+    on the node). ``verdicts``: a memo of :func:`line_verdict` by line (the tracebacks of a
+    run share most of their frame lines)."""
     if not text:
         return None
     lines = text.split("\n")
     if frames_only:  # frame lines and the source line printed under each
         lines = [ln for i, ln in enumerate(lines)
                  if _FRAME_LINE.search(ln) or (i > 0 and lines[i - 1].lstrip().startswith("File \""))]
-    for phase, rx, override in markers:
-        if override and any(rx.search(line) for line in lines):
-            return phase
-    for line in reversed(lines):
-        for phase, rx, override in markers:
-            if not override and rx.search(line):
-                return phase
+    if verdicts is None:
+        verdicts = {}
+    elif len(verdicts) > LINE_VERDICTS_KEPT:
+        verdicts.clear()
+    found = []
+    for line in lines:
+        v = verdicts.get(line)
+        if v is None:
+            v = verdicts[line] = line_verdict(line, markers)
+        found.append(v)
+    overrides = [o for o, _ in found if o is not None]
+    if overrides:
+        return markers[min(overrides)][0]
+    for _, plain in reversed(found):
+        if plain is not None:
+            return plain
     return None
-
 
 
 class Context:
@@ -44,6 +76,7 @@ class Context:
         self.causality = cat.causality
         self.markers = [(p, re.compile(rx), o) for p, rx, o in cat.phase_markers]
         self._phases: dict[tuple[str | None, bool], str | None] = {}
+        self._line_verdicts: dict[str, LineVerdict] = {}
         self.same_moment = timedelta(seconds=cat.causality.same_moment_s)
 
     def phase_of(self, text: str | None, frames_only: bool = False) -> str | None:
@@ -51,5 +84,5 @@ class Context:
         the same tracebacks)."""
         key = (text, frames_only)
         if key not in self._phases:
-            self._phases[key] = phase_of(text, self.markers, frames_only)
+            self._phases[key] = phase_of(text, self.markers, frames_only, self._line_verdicts)
         return self._phases[key]

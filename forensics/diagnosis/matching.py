@@ -339,9 +339,15 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
         return []
     driver = set(cat.causality.driver_actors)
     out: list[Hit] = []
+    # a big run raises the same exception on many ranks: the matchers' verdicts on an
+    # event's content (what event_matches reads, but preceded_by) are made once per content
+    verdicts: dict[tuple, dict[int, bool]] = {}
     for e in _events(con):
         fields = event_fields(e)
         memo: dict[str, bool] = {}
+        if len(verdicts) > MATCH_KEYS_KEPT:
+            verdicts.clear()  # bounded: the keys hold each event's frames
+        known = verdicts.setdefault(_match_key(e, fields), {})
 
         def preceded(rx: str, e=e, memo=memo) -> bool:
             if rx not in memo:
@@ -355,8 +361,15 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                 continue  # logged, and its process logged more: not an exception that ended anything
             if e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper:
                 continue
-            if not event_matches(r.exception, e, preceded, fields):
-                continue
+            if r.exception.preceded_by:
+                if not event_matches(r.exception, e, preceded, fields):
+                    continue
+            else:
+                ok = known.get(id(r))
+                if ok is None:
+                    ok = known[id(r)] = event_matches(r.exception, e, None, fields)
+                if not ok:
+                    continue
             h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
                     ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
                     node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
@@ -385,6 +398,17 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     break
                 h.event = slim
     return out
+
+
+MATCH_KEYS_KEPT = 20_000  # distinct event contents whose verdicts event_hits keeps at a time
+
+
+def _match_key(e: dict, fields: EventFields) -> tuple:
+    """Everything :func:`event_matches` reads of the event ``e`` but ``preceded_by``: two
+    events with the same key meet the same matchers."""
+    return (tuple(fields.types), tuple(fields.names), tuple(fields.messages), tuple(fields.frames),
+            e.get("package"), e.get("kind"), e.get("signal"), e.get("wrapper"), e.get("ray_method"),
+            e.get("ray_actor"), e.get("actor"))
 
 
 # the fields of a fatal event its hits keep (``Hit.event``)
