@@ -6,6 +6,7 @@ patterns and restrictions) to the candidates only. Each match becomes a :class:`
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import duckdb
@@ -342,62 +343,89 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
     # a big run raises the same exception on many ranks: the matchers' verdicts on an
     # event's content (what event_matches reads, but preceded_by) are made once per content
     verdicts: dict[tuple, dict[int, bool]] = {}
-    for e in _events(con):
-        fields = event_fields(e)
-        memo: dict[str, bool] = {}
+
+    def tried(r: Rule, e: dict) -> bool:
+        if r.generic and e["level"] in QUIET_LEVELS and e["went_on"]:
+            return False  # logged, and its process logged more: not an exception that ended anything
+        return not (e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper)
+
+    def holds(r: Rule, e: dict, fields: EventFields, known: dict[int, bool]) -> bool:
+        """Every field of the rule's matcher but preceded_by holds (event_matches asks it last)."""
+        ok = known.get(id(r))
+        if ok is None:
+            ok = known[id(r)] = event_matches(r.exception, e, lambda rx: True, fields)
+        return ok
+
+    for page in _events(con):
         if len(verdicts) > MATCH_KEYS_KEPT:
             verdicts.clear()  # bounded: the keys hold each event's frames
-        known = verdicts.setdefault(_match_key(e, fields), {})
-
-        def preceded(rx: str, e=e, memo=memo) -> bool:
-            if rx not in memo:
-                memo[rx] = bool(con.execute(
-                    "SELECT 1 FROM lines WHERE file_id = ? AND line_no BETWEEN ? AND ? AND regexp_matches(message, ?) LIMIT 1",
-                    [e["file_id"], max(1, e["line_no"] - 200), e["line_no"] - 1, rx]).fetchall())
-            return memo[rx]
-
-        for r in rules:
-            if r.generic and e["level"] in QUIET_LEVELS and e["went_on"]:
-                continue  # logged, and its process logged more: not an exception that ended anything
-            if e["wrapper"] in SURVIVED and r.role in ("cause", "fallback") and e["wrapper"] not in r.exception.wrapper:
-                continue
-            if r.exception.preceded_by:
-                if not event_matches(r.exception, e, preceded, fields):
+        keyed = []
+        for e in page:
+            fields = event_fields(e)
+            keyed.append((e, fields, verdicts.setdefault(_match_key(e, fields), {})))
+        # preceded_by, for the events whose other fields hold: one query per regex and page
+        asked: dict[str, list[int]] = defaultdict(list)
+        for n, (e, fields, known) in enumerate(keyed):
+            for r in rules:
+                if r.exception.preceded_by and tried(r, e) and holds(r, e, fields, known):
+                    asked[r.exception.preceded_by].append(n)
+        answered = {rx: _preceded(con, [(n, keyed[n][0]) for n in ns], rx) for rx, ns in asked.items()}
+        for n, (e, fields, known) in enumerate(keyed):
+            for r in rules:
+                if not tried(r, e) or not holds(r, e, fields, known):
                     continue
-            else:
-                ok = known.get(id(r))
-                if ok is None:
-                    ok = known[id(r)] = event_matches(r.exception, e, None, fields)
-                if not ok:
+                if r.exception.preceded_by and n not in answered[r.exception.preceded_by]:
                     continue
-            h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
-                    ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
-                    node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
-                    file_pid=e["file_pid"], text=nccl_text(e["header"], e["l_text"]))
-            cited = _matched_frame_line(r.exception, e)
-            if cited is not None and cited != h.line_no:
-                h.line_no = cited  # no exception line: the frame that says what failed
-                row = con.execute("SELECT message, text FROM lines WHERE file_id = ? AND line_no = ?", [e["file_id"], cited]).fetchone()
-                if row:
-                    h.message, h.text = row[0] or "", nccl_text(h.header, row[1])
-            h.event = e
-            if e["exc_type"]:
-                h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
-            if e["ray_pid"] is not None and e["ray_actor"] not in driver:
-                h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
-            extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
-            out.append(h)
-        out += _raised_hits(cat, e)
-        if out and out[-1].event is e:
-            # what later stages read of a matched event on its hits: its key and where it was
-            # raised (the root cause's whole row, frames and chain, is read again by
-            # incident.fatal_event_of); a big run has thousands of matched events
-            slim = {k: e[k] for k in EVENT_KEPT}
-            for h in reversed(out):
-                if h.event is not e:
-                    break
-                h.event = slim
+                out.append(_event_hit(con, r, e, driver))
+            out += _raised_hits(cat, e)
+            if out and out[-1].event is e:
+                # what later stages read of a matched event on its hits: its key and where it was
+                # raised (the root cause's whole row, frames and chain, is read again by
+                # incident.fatal_event_of); a big run has thousands of matched events
+                slim = {k: e[k] for k in EVENT_KEPT}
+                for h in reversed(out):
+                    if h.event is not e:
+                        break
+                    h.event = slim
     return out
+
+
+PRECEDED_LINES = 200  # how far above an event preceded_by looks
+
+
+def _preceded(con: duckdb.DuckDBPyConnection, events: list[tuple[int, dict]], rx: str) -> set[int]:
+    """Of the numbered ``events``, those with a line matching ``rx`` among the
+    PRECEDED_LINES lines of their file just above them: one query for all."""
+    ns, fids, lns = zip(*((n, e["file_id"], e["line_no"]) for n, e in events))
+    rows = con.execute(
+        f"""WITH e AS (SELECT unnest($ns) AS n, unnest($fids) AS file_id, unnest($lns) AS line_no),
+                 l AS (SELECT file_id, line_no FROM lines
+                       WHERE file_id IN (SELECT file_id FROM e) AND regexp_matches(message, $rx))
+            SELECT DISTINCT e.n FROM e JOIN l ON l.file_id = e.file_id
+                AND l.line_no BETWEEN greatest(1, e.line_no - {PRECEDED_LINES}) AND e.line_no - 1""",
+        {"ns": list(ns), "fids": list(fids), "lns": list(lns), "rx": rx}).fetchall()
+    return {n for (n,) in rows}
+
+
+def _event_hit(con: duckdb.DuckDBPyConnection, r: Rule, e: dict, driver: set[str]) -> Hit:
+    """The hit of rule ``r`` on the fatal event ``e``."""
+    h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
+            ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
+            node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
+            file_pid=e["file_pid"], text=nccl_text(e["header"], e["l_text"]))
+    cited = _matched_frame_line(r.exception, e)
+    if cited is not None and cited != h.line_no:
+        h.line_no = cited  # no exception line: the frame that says what failed
+        row = con.execute("SELECT message, text FROM lines WHERE file_id = ? AND line_no = ?", [e["file_id"], cited]).fetchone()
+        if row:
+            h.message, h.text = row[0] or "", nccl_text(h.header, row[1])
+    h.event = e
+    if e["exc_type"]:
+        h.groups["exc"] = e["exc_type"]  # the root exception, not the wrapper its line may show
+    if e["ray_pid"] is not None and e["ray_actor"] not in driver:
+        h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
+    extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
+    return h
 
 
 MATCH_KEYS_KEPT = 20_000  # distinct event contents whose verdicts event_hits keeps at a time
@@ -434,12 +462,12 @@ def _event_pages(con: duckdb.DuckDBPyConnection) -> list[tuple[int, int]]:
     return pages
 
 
-def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
+def _events(con: duckdb.DuckDBPyConnection) -> Iterator[list[dict]]:
     """The fatal events with what the matchers read of their exception line and process, in
-    (file, line) order, one dict each. Fetched a range of files at a time (a big run has
-    hundreds of thousands, frames and chains included), each range whole before its dicts
-    are handed out: the caller queries ``con`` meanwhile, which would end a result still
-    being fetched."""
+    (file, line) order, one dict each, a list per range of files (:func:`_event_pages`: a
+    big run has hundreds of thousands, frames and chains included). Each range is fetched
+    whole before it is handed out: the caller queries ``con`` meanwhile, which would end a
+    result still being fetched."""
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
     for lo, hi in _event_pages(con):
         cur = con.execute(
@@ -457,9 +485,7 @@ def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
                 WHERE e.file_id BETWEEN $lo AND $hi
                 ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi})
         names = [d[0] for d in cur.description]
-        rows = cur.fetchall()
-        for row in rows:
-            yield dict(zip(names, row))
+        yield [dict(zip(names, row)) for row in cur.fetchall()]
 
 
 def _matched_frame_line(m: ExceptionMatch, e: dict) -> int | None:
