@@ -292,28 +292,28 @@ def event_fields(e: dict) -> EventFields:
     return EventFields(types, names, messages, frames)
 
 
+_COMPILED: dict[str, re.Pattern] = {}
+
+
+def _rx(pattern: str) -> re.Pattern:
+    """``pattern`` compiled, once (event_matches runs hundreds of thousands of times on a
+    big run, and ``re.search``'s own cache lookup cost as much as the searches)."""
+    c = _COMPILED.get(pattern)
+    if c is None:
+        c = _COMPILED[pattern] = re.compile(pattern)
+    return c
+
+
 def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | None = None,
                   fields: EventFields | None = None) -> bool:
     """Whether the fatal event ``e`` (a ``fatal_events`` row as a dict) meets every field of
     the matcher ``m`` (see :class:`forensics.catalogue.ExceptionMatch`). ``preceded(regex)``
-    answers ``preceded_by`` (None: such a matcher does not match). ``fields``: the event's
-    :func:`event_fields`, when the caller tries many matchers on one event."""
-    types, names, messages, frames = fields or event_fields(e)
-    if m.type and not any(re.search(m.type, t) for t in names):
-        return False
-    if m.not_type and any(re.search(m.not_type, t) for t in types):
-        return False
-    if m.message and not any(re.search(m.message, x) for x in messages):
-        return False
-    if m.not_message and any(re.search(m.not_message, x) for x in messages):
-        return False
+    answers ``preceded_by`` (None: such a matcher does not match), last. ``fields``: the
+    event's :func:`event_fields`, when the caller tries many matchers on one event."""
+    # the tests of set membership first, the regular expressions after them
     if m.raised_in and e.get("package") not in m.raised_in:
         return False
     if m.not_raised_in and e.get("package") in m.not_raised_in:
-        return False
-    if m.frames and not any(re.search(m.frames, f) for f in frames):
-        return False
-    if m.not_frames and any(re.search(m.not_frames, f) for f in frames):
         return False
     if m.kind and e.get("kind") not in m.kind:
         return False
@@ -323,9 +323,22 @@ def event_matches(m: ExceptionMatch, e: dict, preceded: Callable[[str], bool] | 
         return False
     if m.not_wrapper and e.get("wrapper") in m.not_wrapper:
         return False
-    if m.method and not re.search(m.method, e.get("ray_method") or ""):
+    types, names, messages, frames = fields or event_fields(e)
+    if m.type and not any(map(_rx(m.type).search, names)):
         return False
-    if m.actor and not any(re.search(m.actor, a) for a in (e.get("ray_actor"), e.get("actor")) if a):
+    if m.not_type and any(map(_rx(m.not_type).search, types)):
+        return False
+    if m.message and not any(map(_rx(m.message).search, messages)):
+        return False
+    if m.not_message and any(map(_rx(m.not_message).search, messages)):
+        return False
+    if m.frames and not any(map(_rx(m.frames).search, frames)):
+        return False
+    if m.not_frames and any(map(_rx(m.not_frames).search, frames)):
+        return False
+    if m.method and not _rx(m.method).search(e.get("ray_method") or ""):
+        return False
+    if m.actor and not any(_rx(m.actor).search(a) for a in (e.get("ray_actor"), e.get("actor")) if a):
         return False
     if m.preceded_by and (preceded is None or not preceded(m.preceded_by)):
         return False
