@@ -77,12 +77,14 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE diag_wrapped AS
             WITH small AS (SELECT file_id FROM files WHERE kind = 'text' AND lines <= {WRAP_MAX_LINES}),
-            -- the widths first (cheap); the words and neighbours only of the few wrapped files
-            len AS (SELECT l.file_id, l.text, length(l.text) AS n FROM lines l SEMI JOIN small USING (file_id)),
+            -- the widths first (cheap, computed once); the text only of the lines of full width
+            -- in the files with enough of them; the words and neighbours only of the few wrapped files
+            len AS MATERIALIZED (SELECT l.file_id, length(l.text) AS n FROM lines l SEMI JOIN small USING (file_id)),
             widest AS (SELECT file_id, max(n) AS w, count(*) AS c FROM len GROUP BY file_id HAVING max(n) >= {WRAP_MIN_WIDTH}),
-            width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) WHERE len.n = widest.w
-                      GROUP BY file_id, widest.w, widest.c
-                      HAVING count(*) >= greatest(3, {WRAP_MIN_SHARE} * widest.c) AND count(DISTINCT len.text) >= 3),
+            full_width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) WHERE len.n = widest.w
+                           GROUP BY file_id, widest.w, widest.c HAVING count(*) >= greatest(3, {WRAP_MIN_SHARE} * widest.c)),
+            width AS (SELECT file_id, full_width.w FROM full_width JOIN lines l USING (file_id) WHERE length(l.text) = full_width.w
+                      GROUP BY file_id, full_width.w HAVING count(DISTINCT l.text) >= 3),
             prev AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n, width.w,
                             regexp_extract(l.text, '^\\W*\\w+') AS first_word,
                             lag(length(l.text)) OVER w0 AS prev_n, lag(l.text) OVER w0 AS prev_text,
