@@ -166,11 +166,14 @@ class RunFacts:
             votes[pid][rank] += weight.get(source, 1) * min(int(n), 20)
         # a verl worker of another node's placement group (`WorkerDict_<p>:<l>`, p > 0) holds
         # rank p * <workers per node> + l: only with the run's workers per node
+        # the ActorDiedError blocks, read once (the view scans every line)
+        deaths = con.execute("SELECT file_id, line_no, pid, pg_index, local_index FROM actor_deaths "
+                             "WHERE pid IS NOT NULL ORDER BY file_id, line_no").fetchall()
         per_node = self.config.number("trainer.n_gpus_per_node")
         if per_node:
-            for pid, pg, local, n in con.execute(
-                "SELECT pid, pg_index, local_index, count(*) FROM actor_deaths WHERE pid IS NOT NULL AND pg_index > 0 "
-                "AND local_index IS NOT NULL GROUP BY ALL ORDER BY ALL").fetchall():
+            named = Counter((pid, pg, local) for _, _, pid, pg, local in deaths
+                            if pg is not None and pg > 0 and local is not None)
+            for (pid, pg, local), n in sorted(named.items()):
                 if local < per_node:
                     votes[pid][int(pg) * int(per_node) + int(local)] += weight["actor_name"] * min(int(n), 20)
         if table_exists(con, "nccl_rank_map"):
@@ -189,9 +192,7 @@ class RunFacts:
             if not rest or n > rest[0][1]:
                 self.pid_rank[pid] = best
         # the dead actor's pid each `ActorDiedError` block names, by the block's first line
-        self.death_pid: dict[tuple[int, int], int] = {
-            (f, ln): int(p) for f, ln, p in con.execute(
-                "SELECT file_id, line_no, pid FROM actor_deaths WHERE pid IS NOT NULL ORDER BY file_id, line_no").fetchall()}
+        self.death_pid: dict[tuple[int, int], int] = {(f, ln): int(p) for f, ln, p, _, _ in deaths}
         # torchrun's ChildFailedError box: the child its agent saw fail first, per box
         self.first_failed_children: list[tuple[int, int, int | None, int | None]] = []
         if table_exists(con, "child_failures"):
