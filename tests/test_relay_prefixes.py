@@ -137,3 +137,16 @@ def test_vllm_worker_prefixes_name_the_inner_process_and_no_global_rank():
     assert lines["level"].to_list() == ["ERROR", "ERROR", "ERROR"]  # the vLLM header behind the prefixes was read
     # an executor rank or a TP index is the worker's place in one engine, not a training rank
     assert lines["rank"].to_list() == [None, None, None]
+
+
+def test_an_actor_named_by_its_repr():
+    """Ray names an actor whose class defines __repr__ by that repr in the prefix; a
+    framework's empty field after the pid is part of the prefix too."""
+    text = ("(Rollout(index=3) pid=5120) Traceback (most recent call last):\n"
+            "(InferWorker(infer-1) pid=7714, ) RuntimeError: boom\n"
+            "(Rollout(index=3) pid=5120, ip=10.0.0.7) done\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["Rollout(index=3)", "InferWorker(infer-1)", "Rollout(index=3)"]
+    assert lines["pid"].to_list() == [5120, 7714, 5120]
+    assert lines["message"].to_list() == ["Traceback (most recent call last):", "RuntimeError: boom", "done"]
+    assert lines["node"][2] == "10.0.0.7"
