@@ -43,6 +43,21 @@ def test_compose_prefix_is_stripped_and_names_the_node():
     assert [f["function"] for f in ev["frames"]] == ["init_cuda_graphs"]
 
 
+def test_cri_log_prefix_is_stripped_and_the_header_behind_it_read():
+    """The kubelet's CRI log files: `<RFC 3339 time> stdout|stderr P|F message`."""
+    text = ("2025-06-03T11:20:41.102331577+08:00 stdout F [2025-06-03 11:20:41 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
+            "2025-06-03T11:20:41.102337014+08:00 stdout F   File \"/opt/sglang/srt/managers/scheduler.py\", line 901, in event_loop_normal\n"
+            "2025-06-03T11:20:41.102339950+08:00 stdout F     result = self.run_batch(batch)\n"
+            "2025-06-03T11:20:41.102342116+08:00 stderr F RuntimeError: boom\n")
+    t = _parse(text)
+    lines = t["lines"].sort("line_no")
+    assert lines["message"][0].startswith("Scheduler hit an exception")  # SGLang's header was read behind it
+    assert lines["header"][0] == "sglang"
+    ev = t["fatal_events"].row(0, named=True)
+    assert ev["exc_type"] == "RuntimeError" and ev["exc_line"] == 4
+    assert [f["function"] for f in ev["frames"]] == ["event_loop_normal"]
+
+
 def test_kubectl_prefix():
     text = ("[pod/verl-worker-0/main] 2025-03-28 09:14:25,001 - verl.trainer - INFO - step 1\n"
             "[pod/verl-worker-1/main] 2025-03-28 09:14:25,002 - verl.trainer - WARNING - slow\n")

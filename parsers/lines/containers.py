@@ -2,7 +2,12 @@
 
 * ``docker compose logs`` / ``docker compose up``: ``<service>-<n>  | message`` (Compose
   v2; v1 wrote ``<service>_<n>``), the name padded to the widest service;
-* ``kubectl logs --prefix``: ``[pod/<pod>/<container>] message``.
+* ``kubectl logs --prefix``: ``[pod/<pod>/<container>] message``;
+* the CRI log files the kubelet writes (``/var/log/pods/...``, ``/var/log/containers/*.log``,
+  what log collectors ship): ``<RFC 3339 time> stdout|stderr P|F message`` (``P`` a partial
+  line the runtime split, ``F`` the full or last part). Its time is the node's and goes
+  with the message's own header, which keeps the time it printed; the prefix names no
+  container, so it only is stripped.
 
 The prefix names the container the line came from; it is kept in ``node`` (where no
 host is known) and stripped, so that the headers and tracebacks behind it are read as
@@ -19,10 +24,11 @@ from .common import coalesce_into, g, strip_prefix_of_most_lines
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
+_CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
 
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
-    for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod"))):
+    for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod")), (_CRI, pl.lit(None, pl.String))):
         df = strip_prefix_of_most_lines(df, pattern, {"node": coalesce_into("node", node)})
     return df, {}
 
