@@ -58,6 +58,17 @@ def test_cri_log_prefix_is_stripped_and_the_header_behind_it_read():
     assert [f["function"] for f in ev["frames"]] == ["event_loop_normal"]
 
 
+def test_the_frame_a_log_viewer_draws_is_removed():
+    """`│ <message padded to the pane's width> │` on every line: the vLLM header inside is read."""
+    text = "".join(f"│ {m}".ljust(90) + "│\n" for m in (
+        "ERROR 09-27 06:46:46 engine.py:157] RuntimeError: boom",
+        "ERROR 09-27 06:46:46 engine.py:157]",
+        "INFO 09-27 06:46:47 engine.py:301] shutting down"))
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["header"].to_list() == ["vllm", "vllm", "vllm"]
+    assert lines["message"].to_list() == ["RuntimeError: boom", "", "shutting down"]
+
+
 def test_kubectl_prefix():
     text = ("[pod/verl-worker-0/main] 2025-03-28 09:14:25,001 - verl.trainer - INFO - step 1\n"
             "[pod/verl-worker-1/main] 2025-03-28 09:14:25,002 - verl.trainer - WARNING - slow\n")

@@ -9,6 +9,10 @@
   with the message's own header, which keeps the time it printed; the prefix names no
   container, so it only is stripped.
 
+Log viewers that draw a box around the log (a terminal UI's pane) leave a frame on every
+line they copy: ``│ <message padded to the pane's width> │``. The frame is removed in a
+file where most lines carry it.
+
 The prefix names the container the line came from; it is kept in ``node`` (where no
 host is known) and stripped, so that the headers and tracebacks behind it are read as
 if the process had written them. A line of some other file may start the same way by
@@ -27,7 +31,21 @@ _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
 _CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
 
 
+# a line drawn inside a box: the left border, the message, its padding, the right border
+_FRAMED = r"^│ ?(.*?)\s*│\s*$"
+
+
+def _unframe(df: pl.DataFrame) -> pl.DataFrame:
+    msg = pl.col("message")
+    if not df.select(msg.str.starts_with("│").any()).item():  # the cheap test first
+        return df
+    framed = msg.str.contains(_FRAMED)
+    mostly = framed.sum().over("file_id") * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")
+    return df.with_columns(pl.when(framed & mostly).then(msg.str.extract(_FRAMED, 1)).otherwise(msg).alias("message"))
+
+
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
+    df = _unframe(df)
     for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod")), (_CRI, pl.lit(None, pl.String))):
         df = strip_prefix_of_most_lines(df, pattern, {"node": coalesce_into("node", node)})
     return df, {}
