@@ -176,3 +176,13 @@ def test_an_actor_named_by_its_repr():
     assert lines["pid"].to_list() == [5120, 7714, 5120]
     assert lines["message"].to_list() == ["Traceback (most recent call last):", "RuntimeError: boom", "done"]
     assert lines["node"][2] == "10.0.0.7"
+
+
+def test_colour_codes_that_lost_their_escape_byte_are_part_of_the_prefix():
+    """A terminal paste may keep `[36m` / `[0m` without ESC around Ray's prefix."""
+    text = ("[36m(WorkerDict pid=12)[0m Traceback (most recent call last):\n"
+            "[36m(WorkerDict pid=12, ip=10.0.0.3)[0m RuntimeError: boom\n"
+            "[33m(raylet)[0m A worker died or was killed while executing a task\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["WorkerDict", "WorkerDict", "raylet"]
+    assert lines["message"][1] == "RuntimeError: boom" and lines["node"][1] == "10.0.0.3"
