@@ -25,11 +25,16 @@ def test_offsets_are_moved_to_utc():
 def test_logger_name_or_source_location():
     rows = _lines("2025-03-14 10:02:11,345 INFO verl.trainer.main_ppo:375 - started\n"
                   "2025-03-14 10:02:12,000 - verl.workers - WARNING - slow\n"
-                  "2025-03-14 10:02:13 INFO plain words here\n")
+                  "2025-03-14 10:02:13 INFO plain words here\n"
+                  # `%(levelname)s %(process)d [%(filename)s:%(lineno)d]`: pid and source are header
+                  "2025-03-14 10:02:14 ERROR 4127 [engine.py:88] RuntimeError: boom\n"
+                  "2025-03-14 10:02:15 INFO [server.py:12] 7 requests waiting\n")
     assert [(r[1], r[2], r[3]) for r in rows] == [
         ("INFO", "verl.trainer.main_ppo:375", "started"),
         ("WARNING", "verl.workers", "slow"),
         ("INFO", None, "plain words here"),
+        ("ERROR", "engine.py:88", "RuntimeError: boom"),
+        ("INFO", "server.py:12", "7 requests waiting"),
     ]
     assert {r[4] for r in rows} == {"pylog"}
 
@@ -49,3 +54,16 @@ def test_a_verl_step_line_after_a_logging_header_keeps_its_step():
     got = frames["metrics"].select("line_no", "step", "key", "value").sort("line_no", "key").rows()
     assert got == [(1, 3, "actor/grad_norm", 0.25), (1, 3, "timing_s/gen", 12.0),
                    (2, 4, "actor/grad_norm", 0.5), (3, 5, "actor/grad_norm", 0.75)]
+
+
+
+def test_syslog_stamp_with_the_month_of_a_cjk_locale():
+    """journalctl under zh_CN / ja_JP prints `6月 10 16:45:05`, ko_KR `6월`: the same header
+    as `Jun 10 16:45:05` (parsers/lines/kernel.py), so the traceback behind it is read."""
+    text = ("6月 10 16:45:05 gpu-a bash[1074]: Traceback (most recent call last):\n"
+            "6월 10 16:45:06 gpu-a bash[1074]:   File \"/opt/app/run.py\", line 3, in <module>\n")
+    ctx = FileContext(file_id=1, path="journal.log", size=len(text.encode()), fmt="text")
+    lines = dict(parse_text(io.BytesIO(text.encode()), ctx))["lines"]
+    assert lines["node"].to_list() == ["gpu-a", "gpu-a"]
+    assert [t.strftime("%m-%d %H:%M:%S") for t in lines["ts"]] == ["06-10 16:45:05", "06-10 16:45:06"]
+    assert lines["message"][1].startswith('  File "/opt/app/run.py"')

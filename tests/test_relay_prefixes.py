@@ -43,6 +43,32 @@ def test_compose_prefix_is_stripped_and_names_the_node():
     assert [f["function"] for f in ev["frames"]] == ["init_cuda_graphs"]
 
 
+def test_cri_log_prefix_is_stripped_and_the_header_behind_it_read():
+    """The kubelet's CRI log files: `<RFC 3339 time> stdout|stderr P|F message`."""
+    text = ("2025-06-03T11:20:41.102331577+08:00 stdout F [2025-06-03 11:20:41 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
+            "2025-06-03T11:20:41.102337014+08:00 stdout F   File \"/opt/sglang/srt/managers/scheduler.py\", line 901, in event_loop_normal\n"
+            "2025-06-03T11:20:41.102339950+08:00 stdout F     result = self.run_batch(batch)\n"
+            "2025-06-03T11:20:41.102342116+08:00 stderr F RuntimeError: boom\n")
+    t = _parse(text)
+    lines = t["lines"].sort("line_no")
+    assert lines["message"][0].startswith("Scheduler hit an exception")  # SGLang's header was read behind it
+    assert lines["header"][0] == "sglang"
+    ev = t["fatal_events"].row(0, named=True)
+    assert ev["exc_type"] == "RuntimeError" and ev["exc_line"] == 4
+    assert [f["function"] for f in ev["frames"]] == ["event_loop_normal"]
+
+
+def test_the_frame_a_log_viewer_draws_is_removed():
+    """`│ <message padded to the pane's width> │` on every line: the vLLM header inside is read."""
+    text = "".join(f"│ {m}".ljust(90) + "│\n" for m in (
+        "ERROR 09-27 06:46:46 engine.py:157] RuntimeError: boom",
+        "ERROR 09-27 06:46:46 engine.py:157]",
+        "INFO 09-27 06:46:47 engine.py:301] shutting down"))
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["header"].to_list() == ["vllm", "vllm", "vllm"]
+    assert lines["message"].to_list() == ["RuntimeError: boom", "", "shutting down"]
+
+
 def test_kubectl_prefix():
     text = ("[pod/verl-worker-0/main] 2025-03-28 09:14:25,001 - verl.trainer - INFO - step 1\n"
             "[pod/verl-worker-1/main] 2025-03-28 09:14:25,002 - verl.trainer - WARNING - slow\n")
@@ -137,3 +163,26 @@ def test_vllm_worker_prefixes_name_the_inner_process_and_no_global_rank():
     assert lines["level"].to_list() == ["ERROR", "ERROR", "ERROR"]  # the vLLM header behind the prefixes was read
     # an executor rank or a TP index is the worker's place in one engine, not a training rank
     assert lines["rank"].to_list() == [None, None, None]
+
+
+def test_an_actor_named_by_its_repr():
+    """Ray names an actor whose class defines __repr__ by that repr in the prefix; a
+    framework's empty field after the pid is part of the prefix too."""
+    text = ("(Rollout(index=3) pid=5120) Traceback (most recent call last):\n"
+            "(InferWorker(infer-1) pid=7714, ) RuntimeError: boom\n"
+            "(Rollout(index=3) pid=5120, ip=10.0.0.7) done\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["Rollout(index=3)", "InferWorker(infer-1)", "Rollout(index=3)"]
+    assert lines["pid"].to_list() == [5120, 7714, 5120]
+    assert lines["message"].to_list() == ["Traceback (most recent call last):", "RuntimeError: boom", "done"]
+    assert lines["node"][2] == "10.0.0.7"
+
+
+def test_colour_codes_that_lost_their_escape_byte_are_part_of_the_prefix():
+    """A terminal paste may keep `[36m` / `[0m` without ESC around Ray's prefix."""
+    text = ("[36m(WorkerDict pid=12)[0m Traceback (most recent call last):\n"
+            "[36m(WorkerDict pid=12, ip=10.0.0.3)[0m RuntimeError: boom\n"
+            "[33m(raylet)[0m A worker died or was killed while executing a task\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["WorkerDict", "WorkerDict", "raylet"]
+    assert lines["message"][1] == "RuntimeError: boom" and lines["node"][1] == "10.0.0.3"

@@ -2,7 +2,20 @@
 
 * ``docker compose logs`` / ``docker compose up``: ``<service>-<n>  | message`` (Compose
   v2; v1 wrote ``<service>_<n>``), the name padded to the widest service;
-* ``kubectl logs --prefix``: ``[pod/<pod>/<container>] message``.
+* ``kubectl logs --prefix``: ``[pod/<pod>/<container>] message``;
+* the CRI log files the kubelet writes (``/var/log/pods/...``, ``/var/log/containers/*.log``,
+  what log collectors ship): ``<RFC 3339 time> stdout|stderr P|F message`` (``P`` a partial
+  line the runtime split, ``F`` the full or last part). Its time is the node's and goes
+  with the message's own header, which keeps the time it printed; the prefix names no
+  container, so it only is stripped.
+
+Job platforms that stamp every line they collect in CJK brackets (``【2024-12-13 15:37:21】``)
+put the stamp before the process's own prefix (a Ray worker's ``(Actor pid=N)``): it is
+taken as the line's time and stripped, so the prefix behind it is read.
+
+Log viewers that draw a box around the log (a terminal UI's pane) leave a frame on every
+line they copy: ``│ <message padded to the pane's width> │``. The frame is removed in a
+file where most lines carry it.
 
 The prefix names the container the line came from; it is kept in ``node`` (where no
 host is known) and stripped, so that the headers and tracebacks behind it are read as
@@ -15,15 +28,33 @@ from __future__ import annotations
 import polars as pl
 
 from ..base import LineFormat
-from .common import coalesce_into, g, strip_prefix_of_most_lines
+from .common import coalesce_into, g, parse_ts, strip_prefix_of_most_lines
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
+_STAMPED = r"^(?P<h>【(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)】 ?)"
+_CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
+
+
+# a line drawn inside a box: the left border, the message, its padding, the right border
+_FRAMED = r"^│ ?(.*?)\s*│\s*$"
+
+
+def _unframe(df: pl.DataFrame) -> pl.DataFrame:
+    msg = pl.col("message")
+    if not df.select(msg.str.starts_with("│").any()).item():  # the cheap test first
+        return df
+    framed = msg.str.contains(_FRAMED)
+    mostly = framed.sum().over("file_id") * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")
+    return df.with_columns(pl.when(framed & mostly).then(msg.str.extract(_FRAMED, 1)).otherwise(msg).alias("message"))
 
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
-    for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod"))):
+    df = _unframe(df)
+    for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod")), (_CRI, pl.lit(None, pl.String))):
         df = strip_prefix_of_most_lines(df, pattern, {"node": coalesce_into("node", node)})
+    if df.select(pl.col("message").str.starts_with("【").any()).item():
+        df = strip_prefix_of_most_lines(df, _STAMPED, {"ts": parse_ts(g("ts")), "ts_quality": pl.lit("full")})
     return df, {}
 
 

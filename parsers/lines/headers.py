@@ -4,6 +4,8 @@ Python ``logging`` in its common shapes and other ISO-stamped lines:
 
 * ``2025-03-14 10:02:11,345 INFO verl.trainer.main_ppo:375 - msg``
 * ``2025-03-14 10:02:11,345 - name - INFO - msg``
+* ``2025-03-14 10:02:11 ERROR 56542 [file.py:64] msg`` (a format with the process id and
+  ``[filename:lineno]`` after the level)
 * ``[2025-03-14 10:00:00,123] [INFO] [config.py:1003:print] msg`` (DeepSpeed)
 * ``2025-03-14T10:02:11.345Z msg``, ``2025-03-14T18:02:11+08:00 msg``, ``[2025-03-14 10:02:11] msg``
 
@@ -26,7 +28,8 @@ def _iso(src: bool) -> str:
     return (
         r"^(?P<h>\[?(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[,.]\d{1,9})?)(?:Z|(?P<tzs>[+-])(?P<tzh>\d{2}):?(?P<tzm>\d{2}))?\]?"
         rf"(?:[ \t]+(?:-[ \t]+)?(?:(?P<name>[\w.]+)[ \t]+-[ \t]+)?\[?(?P<level>{_LEVEL})\]?(?::|[ \t]+-)?"
-        + (r"(?:[ \t]+(?P<src>[\w.]+:\d+)[ \t]+-)?" if src else "") + r")?[ \t]*)"
+        + (r"(?:[ \t]+(?P<src>[\w.]+:\d+)[ \t]+-|[ \t]+(?:\d+[ \t]+)?\[(?P<srcb>[\w.]+:\d+)\])?" if src else "")
+        + r")?[ \t]*)"
     )
 
 
@@ -51,7 +54,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     stamped = pl.col("message").str.contains(r"^\[?\d{4}-\d{2}-\d{2}")
     df = apply_header(df, _iso(src=False), "pylog", {**fields, "logger": g("name")},
                       prefilter=stamped & pl.col("message").str.contains(_ISO_BEFORE_STEP_LINE))
-    df = apply_header(df, ISO, "pylog", {**fields, "logger": pl.coalesce(g("name"), g("src"))}, prefilter=stamped)
+    df = apply_header(df, ISO, "pylog", {**fields, "logger": pl.coalesce(g("name"), g("src"), g("srcb"))}, prefilter=stamped)
     return df, {}
 
 
