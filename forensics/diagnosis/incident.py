@@ -308,9 +308,6 @@ def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str, when:
     # other lines of the same class (other ranks, the driver's final exception)
     for e in sorted((e for e in pool if e.cls == cls and e is not root), key=order_key):
         rest.extend(sorted(e.hits, key=lambda h: (h.path, h.line_no or 0)))
-    # a line that reports again what a cited one did (the watchdog's timeout of one rank's
-    # collective, repeated when its thread takes the process down) shows nothing new
-    said = lambda h: (h.rule.id, h.rank, h.groups["seq"]) if h.groups.get("seq") else None
     for h in rest:
         if len(out) >= 6:
             break
@@ -318,8 +315,8 @@ def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str, when:
             continue
         if any(h.path == o.path and h.line_no == o.line_no for o in out):
             continue
-        if said(h) is not None and any(said(h) == said(o) for o in out):
-            continue
+        if h.reported is not None and any(h.reported == o.reported for o in out):
+            continue  # the same collective's timeout again
         out.append(h)
         seen_files.add(h.path)
     ev = [times.evidence(ctx.con, h, when if h is first else None) for h in out]

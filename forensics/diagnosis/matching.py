@@ -315,7 +315,7 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
         return []
     driver = set(cat.causality.driver_actors)
     out: list[Hit] = []
-    for e in _events(con):
+    for e in _events(con, cat.causality.teardown_records):
         fields = event_fields(e)
         memo: dict[str, bool] = {}
 
@@ -386,13 +386,19 @@ def _event_pages(con: duckdb.DuckDBPyConnection) -> list[tuple[int, int]]:
     return pages
 
 
-def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
+def _events(con: duckdb.DuckDBPyConnection, teardown_records: tuple[str, ...] = ()) -> Iterator[dict]:
     """The fatal events with what the matchers read of their exception line and process, in
     (file, line) order, one dict each. Fetched a range of files at a time (a big run has
     hundreds of thousands, frames and chains included), each range whole before its dicts
     are handed out: the caller queries ``con`` meanwhile, which would end a result still
     being fetched."""
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
+    # a launcher's records of tearing its children down (DeepSpeed's `Killing subprocess N`,
+    # torchrun's `Sending process N closing signal`) follow the exception that ended the run:
+    # they are not the process going on after it
+    teardown = "|".join(f"(?:{p})" for p in teardown_records)
+    not_teardown = "AND NOT regexp_matches(coalesce(message, ''), $teardown)" if teardown else ""
+    params = {"teardown": teardown} if teardown else {}
     for lo, hi in _event_pages(con):
         cur = con.execute(
             f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
@@ -403,11 +409,11 @@ def _events(con: duckdb.DuckDBPyConnection) -> Iterator[dict]:
                 -- the last log record its process wrote in the file (a line with a header of its
                 -- own, outside any event): did the process go on after the exception?
                 LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
-                           WHERE header IS NOT NULL AND event_line IS NULL AND file_id BETWEEN $lo AND $hi
+                           WHERE header IS NOT NULL AND event_line IS NULL AND file_id BETWEEN $lo AND $hi {not_teardown}
                              AND file_id IN (SELECT file_id FROM fatal_events)
                            GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
                 WHERE e.file_id BETWEEN $lo AND $hi
-                ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi})
+                ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi, **params})
         names = [d[0] for d in cur.description]
         rows = cur.fetchall()
         for row in rows:
