@@ -107,7 +107,7 @@ EXAMPLE_KEYS = {"match", "no_match"}
 # logs of that software (forensics.diagnosis.facts.run_traits)
 TRAIT_PREFIX = "run:"
 CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "stalls", "waits", "missing_rank", "unexplained",
-                  "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific"}
+                  "gives_way", "evidence_notes", "same_moment_s", "clearly_more_specific", "teardown_records"}
 NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
 REMEDY_KEYS = {"key", "to", "scale", "min", "max", "why", "text", "when"}
@@ -302,6 +302,7 @@ class Causality:
     unexplained: str | None = None
     gives_way: tuple[GivesWay, ...] = ()
     evidence_notes: tuple[EvidenceNote, ...] = ()
+    teardown_records: tuple[str, ...] = ()  # RE2: a launcher's records of tearing its children down
     same_moment_s: float = 2.0
     clearly_more_specific: float = 0.2
 
@@ -605,6 +606,8 @@ def _causality(raw: dict[str, tuple[Any, str]], rule_ids: set[str], classes: set
     for key, (value, _src) in raw.items():
         if key == "driver_actors":
             out.driver_actors = names(key, value, None, "")
+        elif key == "teardown_records":
+            out.teardown_records = names(key, value, None, "")
         elif key == "collective_timeouts":
             out.collective_timeouts = names(key, value, rule_ids, "rule(s)")
         elif key == "shutdown_noise":
@@ -894,6 +897,11 @@ def check_with_duckdb(cat: Catalogue, con=None) -> None:
                 con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
             except duckdb.Error as exc:
                 raise SignatureError(f"phase marker {phase}: RE2 rejects {p!r}: {exc}") from None
+        for p in cat.causality.teardown_records:
+            try:
+                con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
+            except duckdb.Error as exc:
+                raise SignatureError(f"causality.teardown_records: RE2 rejects {p!r}: {exc}") from None
     finally:
         if own:
             con.close()

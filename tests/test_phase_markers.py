@@ -59,10 +59,22 @@ GENERATION_IN_STEP = tb(("/env/site-packages/transformers/trainer.py", 2500, "_i
                         exc="KeyError: 'prompt'")
 
 
+# An import that fails: the frame's source line is the import statement (a script's first
+# lines, a Ray task importing the worker classes it is about to build): the start-up, unless
+# a frame of a step's work runs it (a reward function importing its scorer when first called).
+SCRIPT_IMPORT = tb(("/work/app/train_rl.py", 12, "<module>", "from rl_lib.trainers import PolicyTrainer"), exc="ImportError: cannot import name 'PolicyTrainer'")
+TASK_IMPORT = tb(("/work/verl/trainer/main_ppo.py", 130, "main_task", "from verl.workers.fsdp_workers import ActorRolloutRefWorker"),
+                 ("/work/verl/workers/fsdp_workers.py", 40, "<module>", "import flash_attn.bert_padding as fa_pad"), exc="ModuleNotFoundError: No module named 'flash_attn'")
+ALGORITHM_SETUP = tb(("/work/rl/algorithms/grpo.py", 301, "setup", "policy = Policy(cfg.policy)"), exc="torch.AcceleratorError: CUDA error: out of memory")
+LAZY_REWARD_IMPORT = tb(("/work/rewards/judge.py", 20, "compute_score", "from sympy_checker import equal"), exc="ModuleNotFoundError: No module named 'sympy_checker'")
+
+
 @pytest.mark.parametrize("text, phase", [(CONSTRUCTOR, "init"), (DATASET, "init"), (MEGATRON, "init"), (BUILDING, "init"),
-                                         (SCORING, "reward"), (FORWARD, "rollout"), (GENERATION_IN_STEP, "rollout"), (STEP, "train"), (ROLLOUT, "rollout")],
+                                         (SCORING, "reward"), (FORWARD, "rollout"), (GENERATION_IN_STEP, "rollout"), (STEP, "train"), (ROLLOUT, "rollout"),
+                                         (SCRIPT_IMPORT, "init"), (TASK_IMPORT, "init"), (LAZY_REWARD_IMPORT, "reward"), (ALGORITHM_SETUP, "init")],
                          ids=["trainer-constructor", "datasets-builder", "megatron-init-worker", "engine-being-built",
-                              "reward-library", "engine-forward", "trl-generation-in-step", "train-step", "rollout"])
+                              "reward-library", "engine-forward", "trl-generation-in-step", "train-step", "rollout",
+                              "script-imports", "task-imports-workers", "reward-imports-lazily", "algorithm-setup"])
 def test_phase_of_a_traceback(markers, text, phase):
     assert phase_of(text, markers, frames_only=True) == phase
 
@@ -172,3 +184,8 @@ def test_an_engine_building_its_process_groups_is_the_start_up(markers):
               ("/env/site-packages/vllm/distributed/parallel_state.py", 1042, "init_distributed_environment", "torch.distributed.barrier()"),
               exc="RuntimeError: HCCL function error: HcclCommInitRootInfo(numRanks, &rootInfo, rank, &(comm->hcclComm_)), error code is 7")
     assert phase_of(text, markers, frames_only=True) == "init"
+
+
+def test_a_call_that_mentions_import_is_not_an_import(markers):
+    text = tb(("/work/app/train_rl.py", 50, "<module>", "import_weights(model, path)"), exc="ValueError: bad")
+    assert phase_of(text, markers, frames_only=True) is None

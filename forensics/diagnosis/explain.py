@@ -128,7 +128,11 @@ def cascade_events(ctx: Context, root: Event, rank: int | None, events: list[Eve
                 "file": o.path, "line": o.line_no, "text": clip(shown or "", 300),
                 "ts": lo.isoformat(sep=" ") if lo else None, "ts_precise": e.precise_any}
     out = [one(root, "root", rank)]
+    shown = {root.origin.reported} - {None}
     for e in sorted(events, key=lambda e: (e.lo is None, e.lo or datetime.max, e.origin.path, e.origin.line_no or 0)):
+        if e.origin.reported is not None and e.origin.reported in shown:
+            continue  # a line that repeats an earlier one's collective timeout
+        shown.add(e.origin.reported)
         out.append(one(e, e.role, e.rank))
     return out[:MAX_CASCADE_EVENTS]
 

@@ -315,6 +315,8 @@ def evidence_lines(ctx: Context, root: Event, pool: list[Event], cls: str, when:
             continue
         if any(h.path == o.path and h.line_no == o.line_no for o in out):
             continue
+        if h.reported is not None and any(h.reported == o.reported for o in out):
+            continue  # the same collective's timeout again
         out.append(h)
         seen_files.add(h.path)
     ev = [times.evidence(ctx.con, h, when if h is first else None) for h in out]

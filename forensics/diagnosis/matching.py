@@ -371,7 +371,7 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
             ok = known[id(r)] = event_matches(r.exception, e, lambda rx: True, fields)
         return ok
 
-    for page in _events(con):
+    for page in _events(con, cat.causality.teardown_records):
         if len(verdicts) > MATCH_KEYS_KEPT:
             verdicts.clear()  # bounded: the keys hold each event's frames
         keyed = []
@@ -477,13 +477,19 @@ def _event_pages(con: duckdb.DuckDBPyConnection) -> list[tuple[int, int]]:
     return pages
 
 
-def _events(con: duckdb.DuckDBPyConnection) -> Iterator[list[dict]]:
+def _events(con: duckdb.DuckDBPyConnection, teardown_records: tuple[str, ...] = ()) -> Iterator[list[dict]]:
     """The fatal events with what the matchers read of their exception line and process, in
     (file, line) order, one dict each, a list per range of files (:func:`_event_pages`: a
     big run has hundreds of thousands, frames and chains included). Each range is fetched
     whole before it is handed out: the caller queries ``con`` meanwhile, which would end a
     result still being fetched."""
     cols = ", ".join(f"e.{c}" for c in EVENT_COLUMNS)
+    # a launcher's records of tearing its children down (DeepSpeed's `Killing subprocess N`,
+    # torchrun's `Sending process N closing signal`) follow the exception that ended the run:
+    # they are not the process going on after it
+    teardown = "|".join(f"(?:{p})" for p in teardown_records)
+    not_teardown = "AND NOT regexp_matches(coalesce(message, ''), $teardown)" if teardown else ""
+    params = {"teardown": teardown} if teardown else {}
     for lo, hi in _event_pages(con):
         cur = con.execute(
             f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
@@ -494,11 +500,11 @@ def _events(con: duckdb.DuckDBPyConnection) -> Iterator[list[dict]]:
                 -- the last log record its process wrote in the file (a line with a header of its
                 -- own, outside any event): did the process go on after the exception?
                 LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
-                           WHERE header IS NOT NULL AND event_line IS NULL AND file_id BETWEEN $lo AND $hi
+                           WHERE header IS NOT NULL AND event_line IS NULL AND file_id BETWEEN $lo AND $hi {not_teardown}
                              AND file_id IN (SELECT file_id FROM fatal_events)
                            GROUP BY ALL) w ON w.file_id = e.file_id AND w.pid IS NOT DISTINCT FROM l.pid
                 WHERE e.file_id BETWEEN $lo AND $hi
-                ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi})
+                ORDER BY e.file_id, e.line_no""", {"lo": lo, "hi": hi, **params})
         names = [d[0] for d in cur.description]
         yield [dict(zip(names, row)) for row in cur.fetchall()]
 

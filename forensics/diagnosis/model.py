@@ -272,6 +272,14 @@ class Hit:
     def precise(self) -> bool:
         return self.ts is not None and self.ts_quality in PRECISE
 
+    @property
+    def reported(self) -> tuple | None:
+        """What the line reports, when it names one collective of one rank (its rule, rank and
+        SeqNum): a second line with the same (the watchdog's timeout repeated as its thread
+        takes the process down) shows nothing new. None for other lines."""
+        seq = self.groups.get("seq")
+        return (self.rule.id, self.rank, seq) if seq else None
+
     def evidence(self) -> Evidence:
         shown = self.line_message if self.line_message is not None else self.message  # the physical line
         return Evidence(self.path, self.line_no, shown.strip() if shown else "",
