@@ -20,6 +20,10 @@ touching code. Every YAML file may hold any of these top-level sections:
     prints one is rank 0, which helps to place failures of processes that print no rank.
 ``rank_actors``
     Ray actor classes whose processes are training ranks (their pids rise with the rank).
+``relayed_ranks``
+    Where a failure one process reports names the rank that failed (torch's distributed
+    checkpoint relays every failed rank's traceback under ``(RANK N)``): regexes with the
+    group ``ranks`` over a fatal event's first line and messages.
 ``engine_args``
     Per inference engine (vllm, sglang, ...): regexes of the lines where it prints the
     arguments it was started with, a Python dict literal in the group ``args``.
@@ -111,8 +115,8 @@ CAUSALITY_KEYS = {"driver_actors", "collective_timeouts", "shutdown_noise", "sta
 NOTE_CONDITIONS = {"no_nccl_lines", "missing_format", "dedup_lines", "root_role", "config"}
 CLASS_KEYS = {"title", "remediation", "debug", "notes"}
 REMEDY_KEYS = {"key", "to", "scale", "min", "max", "why", "text", "when"}
-SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors", "causality",
-            "engine_args", "config_overrides"}
+SECTIONS = {"rules", "classes", "phase_markers", "metric_detectors", "rank_zero_prints", "rank_actors", "relayed_ranks",
+            "causality", "engine_args", "config_overrides"}
 OVERRIDE_KEYS = {"key", "engine", "arg", "config", "default", "raise", "lower", "why", "unit"}
 NOT_SIGNATURE_FILES = {"phases.yaml", "findings.yaml"}  # other analyses' files in the same folder
 
@@ -345,6 +349,7 @@ class Catalogue:
     skipped: list[str] = field(default_factory=list)  # YAML files that are not part of the catalogue
     rank_zero_prints: list[str] = field(default_factory=list)
     rank_actors: list[str] = field(default_factory=list)
+    relayed_ranks: list[str] = field(default_factory=list)  # regexes with group `ranks`
     causality: Causality = field(default_factory=Causality)
     engine_args: dict[str, list[str]] = field(default_factory=dict)  # engine -> regexes with group `args`
     config_overrides: list[ConfigOverride] = field(default_factory=list)
@@ -409,7 +414,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
 # -- the cache of loaded catalogues ------------------------------------------------------
 
 CACHE_ENV = "FORENSICS_CACHE_DIR"
-_CACHE_FORMAT = b"catalogue cache 1"
+_CACHE_FORMAT = b"catalogue cache 2"  # bumped when the Catalogue class changes
 _log = logging.getLogger(__name__)
 
 
@@ -495,6 +500,7 @@ def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
     detectors: dict[str, Any] = {}
     rank_zero: list[str] = []
     rank_actors: list[str] = []
+    relayed: list[str] = []
     causality_raw: dict[str, tuple[Any, str]] = {}
     engine_args: dict[str, list[str]] = {}
     overrides: dict[tuple[str, str, str], ConfigOverride] = {}
@@ -535,6 +541,11 @@ def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
             for pat in doc.get("rank_actors") or []:
                 _compile(pat, f"{f}: rank_actors")
                 rank_actors.append(pat)
+            for pat in doc.get("relayed_ranks") or []:
+                if "(?P<ranks>" not in pat:
+                    raise SignatureError(f"{f}: relayed_ranks: a pattern needs the group (?P<ranks>...)")
+                _compile(pat, f"{f}: relayed_ranks")
+                relayed.append(pat)
             for engine, pats in (doc.get("engine_args") or {}).items():
                 for pat in _as_list(pats, f"{f}: engine_args.{engine}", "patterns"):
                     if "(?P<args>" not in pat:
@@ -567,7 +578,7 @@ def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
     causality = _causality(causality_raw, ids, set(class_infos))
     return Catalogue(rules=rules, classes=class_infos, phase_markers=markers, metric_detectors=detectors,
                      sources=sources, skipped=skipped, rank_zero_prints=rank_zero,
-                     rank_actors=rank_actors, causality=causality, engine_args=engine_args,
+                     rank_actors=rank_actors, relayed_ranks=relayed, causality=causality, engine_args=engine_args,
                      config_overrides=list(overrides.values()))
 
 

@@ -98,7 +98,9 @@ FATAL_EVENTS = Table(
 
 # ---- line shapes ------------------------------------------------------------------------
 
-_TB_HEAD = re.compile(r"Traceback \(most recent call last\):\s*$")
+# torch.distributed.checkpoint's CheckpointException relays each failed rank's traceback
+# under a head that names it: `Traceback (most recent call last): (RANK 2)`
+_TB_HEAD = re.compile(r"Traceback \(most recent call last\):(?: \(RANK \d+\))?\s*$")
 _CHAIN = re.compile(r"^\s*(?P<what>The above exception was the direct cause of the following exception|"
                     r"During handling of the above exception, another exception occurred):\s*$")
 # Python: `File "x.py", line 3, in f`; faulthandler: `File "x.py", line 3 in f`; a paste may

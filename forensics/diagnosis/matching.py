@@ -258,7 +258,32 @@ def line_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     line_message=row["message"] if row["line_message"] is None else row["line_message"])
             extract(h)
             out.append(h)
+    if cat.relayed_ranks:
+        _ranks_relayed_by_events(con, out, cat.relayed_ranks)
     return out
+
+
+def _ranks_relayed_by_events(con: duckdb.DuckDBPyConnection, hits: list[Hit], patterns: list[str]) -> None:
+    """A line hit inside a fatal event that reports another rank's failure (the catalogue's
+    ``relayed_ranks``) is about the rank the event names, as the event's own hits are
+    (:func:`_event_hit`)."""
+    inside = [h for h in hits if h.event_line is not None and "ranks" not in h.groups]
+    if not inside:
+        return
+    keys = sorted({(h.file_id, h.event_line) for h in inside})
+    rows = con.execute(
+        """WITH k AS (SELECT unnest($fids) AS file_id, unnest($lns) AS line_no)
+           SELECT e.file_id, e.line_no, hl.message, e.message, e.outer_message
+           FROM k JOIN fatal_events e USING (file_id, line_no)
+           LEFT JOIN lines hl ON hl.file_id = e.file_id AND hl.line_no = e.line_no
+           WHERE regexp_matches(concat_ws(chr(10), hl.message, e.message, e.outer_message), $rx)
+           ORDER BY e.file_id, e.line_no""",
+        {"fids": [f for f, _ in keys], "lns": [ln for _, ln in keys], "rx": "|".join(f"(?:{p})" for p in patterns)}).fetchall()
+    named = {(f, ln): relayed_ranks(patterns, texts) for f, ln, *texts in rows}
+    for h in inside:
+        rank = named.get((h.file_id, h.event_line))
+        if rank is not None:
+            h.groups["ranks"] = str(rank)  # placement reads it as the rank the text names
 
 
 # -- fatal events ------------------------------------------------------------------------
@@ -391,7 +416,7 @@ def event_hits(con: duckdb.DuckDBPyConnection, cat: Catalogue) -> list[Hit]:
                     continue
                 if r.exception.preceded_by and n not in answered[r.exception.preceded_by]:
                     continue
-                out.append(_event_hit(con, r, e, driver))
+                out.append(_event_hit(con, r, e, driver, cat.relayed_ranks))
             out += _raised_hits(cat, e)
             if out and out[-1].event is e:
                 # what later stages read of a matched event on its hits: its key and where it was
@@ -422,8 +447,9 @@ def _preceded(con: duckdb.DuckDBPyConnection, events: list[tuple[int, dict]], rx
     return {n for (n,) in rows}
 
 
-def _event_hit(con: duckdb.DuckDBPyConnection, r: Rule, e: dict, driver: set[str]) -> Hit:
-    """The hit of rule ``r`` on the fatal event ``e``."""
+def _event_hit(con: duckdb.DuckDBPyConnection, r: Rule, e: dict, driver: set[str], relayed: Iterable[str] = ()) -> Hit:
+    """The hit of rule ``r`` on the fatal event ``e``. ``relayed``: the catalogue's
+    ``relayed_ranks`` (the rank a report of another rank's failure names)."""
     h = Hit(rule=r, file_id=e["file_id"], path=e["path"], fmt=e["format"], line_no=e["exc_line"], ts=e["ts"],
             ts_quality=e["ts_quality"], level=e["level"], header=e["header"], actor=e["l_actor"], pid=e["l_pid"],
             node=e["l_node"], rank=e["l_rank"], event_line=e["line_no"], message=e["l_message"] or "",
@@ -440,7 +466,18 @@ def _event_hit(con: duckdb.DuckDBPyConnection, r: Rule, e: dict, driver: set[str
     if e["ray_pid"] is not None and e["ray_actor"] not in driver:
         h.task_pid = e["ray_pid"]  # the worker whose task failed, whoever printed the wrapper
     extract(h, extra="\n".join(x for x in (e["message"], e["outer_message"]) if x))
+    if "ranks" not in h.groups:
+        named = relayed_ranks(relayed, (e["head_message"], e["message"], e["outer_message"]))
+        if named is not None:
+            h.groups["ranks"] = str(named)  # placement reads it as the rank the text names
     return h
+
+
+def relayed_ranks(patterns: Iterable[str], texts: Iterable[str | None]) -> int | None:
+    """The one rank that the ``relayed_ranks`` patterns find named in ``texts`` (a report
+    of another rank's failure), or None (none, or several ranks)."""
+    ranks = {int(x) for p in patterns for t in texts if t for m in _rx(p).finditer(t) for x in re.findall(r"\d+", m["ranks"])}
+    return ranks.pop() if len(ranks) == 1 else None
 
 
 MATCH_KEYS_KEPT = 20_000  # distinct event contents whose verdicts event_hits keeps at a time
@@ -494,9 +531,10 @@ def _events(con: duckdb.DuckDBPyConnection, teardown_records: tuple[str, ...] = 
         cur = con.execute(
             f"""SELECT {cols}, f.path, f.format, f.pid AS file_pid, l.ts, l.ts_quality, l.level, l.header, l.actor AS l_actor,
                        l.pid AS l_pid, l.node AS l_node, l.rank AS l_rank, l.message AS l_message, l.text AS l_text,
-                       coalesce(w.last_record > e.last_line, false) AS went_on
+                       hl.message AS head_message, coalesce(w.last_record > e.last_line, false) AS went_on
                 FROM fatal_events e JOIN files f USING (file_id)
                 LEFT JOIN lines l ON l.file_id = e.file_id AND l.line_no = e.exc_line
+                LEFT JOIN lines hl ON hl.file_id = e.file_id AND hl.line_no = e.line_no AND hl.file_id BETWEEN $lo AND $hi
                 -- the last log record its process wrote in the file (a line with a header of its
                 -- own, outside any event): did the process go on after the exception?
                 LEFT JOIN (SELECT file_id, pid, max(line_no) AS last_record FROM lines
