@@ -896,23 +896,18 @@ def check_with_duckdb(cat: Catalogue, con=None) -> None:
 
     own = con is None
     con = con or duckdb.connect()
+    # (where, pattern): every regular expression the diagnosis hands to DuckDB or reads as RE2
+    patterns = [(f"{r.source}: rule {r.id}", p) for r in cat.rules
+                for p in (*r.patterns, *r.negative, *r.event_context, *r.extract, *([r.where["logger"]] if r.where.get("logger") else []))]
+    patterns += [(f"phase marker {phase}", p) for phase, p, _ in cat.phase_markers]
+    patterns += [("causality.teardown_records", p) for p in cat.causality.teardown_records]
+    patterns += [("relayed_ranks", p) for p in cat.relayed_ranks]
     try:
-        for r in cat.rules:
-            for p in (*r.patterns, *r.negative, *r.event_context, *r.extract, *([r.where["logger"]] if r.where.get("logger") else [])):
-                try:
-                    con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
-                except duckdb.Error as exc:
-                    raise SignatureError(f"{r.source}: rule {r.id}: RE2 rejects {p!r}: {exc}") from None
-        for phase, p, _ in cat.phase_markers:
+        for where, p in patterns:
             try:
                 con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
             except duckdb.Error as exc:
-                raise SignatureError(f"phase marker {phase}: RE2 rejects {p!r}: {exc}") from None
-        for p in cat.causality.teardown_records:
-            try:
-                con.execute("SELECT regexp_matches('', ?)", [p]).fetchall()
-            except duckdb.Error as exc:
-                raise SignatureError(f"causality.teardown_records: RE2 rejects {p!r}: {exc}") from None
+                raise SignatureError(f"{where}: RE2 rejects {p!r}: {exc}") from None
     finally:
         if own:
             con.close()

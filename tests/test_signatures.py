@@ -155,6 +155,16 @@ def test_schema_errors_name_the_rule(tmp_path, body, message):
     assert "mine.yaml" in str(exc.value)
 
 
+def test_relayed_ranks_need_their_group_and_re2(tmp_path):
+    """A relayed_ranks pattern names the rank in the group `ranks`, and DuckDB's RE2 must
+    accept it (the diagnosis runs it there)."""
+    with pytest.raises(sig.SignatureError, match="needs the group"):
+        sig.load([_write_rules(tmp_path / "a", "relayed_ranks: ['RANK (\\d+)']")])
+    cat = sig.load([_write_rules(tmp_path / "b", "relayed_ranks: ['RANK (?P<ranks>\\d++)']")])
+    with pytest.raises(sig.SignatureError, match="relayed_ranks: RE2 rejects"):
+        sig.check_with_duckdb(cat)
+
+
 def test_missing_user_folder_is_an_error(tmp_path):
     with pytest.raises(sig.SignatureError):
         sig.load([tmp_path / "nope"])
