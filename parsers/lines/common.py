@@ -78,13 +78,17 @@ def strip_prefix_of_most_lines(df: pl.DataFrame, pattern: str, fields: dict[str,
     ``ValueError: ...``). A frame holds many files: the share is counted per file.
     ``min_lines``: how many lines of the file must carry it at least (for a loose prefix,
     which one line of a paste alone could show by chance)."""
-    msg = pl.col("message")
-    hit = msg.str.contains(pattern)
+    hit = pl.col("message").str.contains(pattern)
     if not df.select(hit.any()).item():
         return df
-    hits = hit.sum().over("file_id")
-    mostly = (hits * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")) & (hits >= min_lines)
+    mostly = on_most_lines(hit) & (hit.sum().over("file_id") >= min_lines)
     return apply_header(df, pattern, None, fields, only_unset=False, prefilter=mostly)
+
+
+def on_most_lines(hit: pl.Expr) -> pl.Expr:
+    """``hit`` holds on at least half of the non-empty lines of the line's file (a frame
+    holds many files: the share is counted per file)."""
+    return hit.sum().over("file_id") * 2 >= (pl.col("message").str.len_bytes() > 0).sum().over("file_id")
 
 
 def g(name: str) -> pl.Expr:

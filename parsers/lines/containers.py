@@ -28,7 +28,7 @@ from __future__ import annotations
 import polars as pl
 
 from ..base import LineFormat
-from .common import coalesce_into, g, parse_ts, strip_prefix_of_most_lines
+from .common import coalesce_into, g, on_most_lines, parse_ts, strip_prefix_of_most_lines
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
@@ -45,8 +45,7 @@ def _unframe(df: pl.DataFrame) -> pl.DataFrame:
     if not df.select(msg.str.starts_with("│").any()).item():  # the cheap test first
         return df
     framed = msg.str.contains(_FRAMED)
-    mostly = framed.sum().over("file_id") * 2 >= (msg.str.len_bytes() > 0).sum().over("file_id")
-    return df.with_columns(pl.when(framed & mostly).then(msg.str.extract(_FRAMED, 1)).otherwise(msg).alias("message"))
+    return df.with_columns(pl.when(framed & on_most_lines(framed)).then(msg.str.extract(_FRAMED, 1)).otherwise(msg).alias("message"))
 
 
 def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
