@@ -164,11 +164,11 @@ class RunFacts:
             if pid is None or rank is None:
                 continue
             votes[pid][rank] += weight.get(source, 1) * min(int(n), 20)
-        # a verl worker of another node's placement group (`WorkerDict_<p>:<l>`, p > 0) holds
-        # rank p * <workers per node> + l: only with the run's workers per node
         # the ActorDiedError blocks, read once (the view scans every line)
         deaths = con.execute("SELECT file_id, line_no, pid, pg_index, local_index FROM actor_deaths "
                              "WHERE pid IS NOT NULL ORDER BY file_id, line_no").fetchall()
+        # a verl worker of another node's placement group (`WorkerDict_<p>:<l>`, p > 0) holds
+        # rank p * <workers per node> + l: only with the run's workers per node
         per_node = self.config.number("trainer.n_gpus_per_node")
         if per_node:
             named = Counter((pid, pg, local) for _, _, pid, pg, local in deaths
