@@ -69,15 +69,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
-
-_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built with it
-
 
 def load_yaml(text: str | bytes) -> Any:
     """``yaml.safe_load``, with libyaml's parser when PyYAML was built with it (the
-    rule, phase and finding files are read on every diagnosis)."""
-    return yaml.load(text, Loader=_YAML_LOADER)
+    rule, phase and finding files are read on every diagnosis). PyYAML is imported here,
+    not with the module: a diagnosis that finds its catalogue in the cache needs no YAML
+    on its way (start-up time)."""
+    import yaml
+
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 ROLES = {
@@ -353,6 +353,16 @@ class Catalogue:
     causality: Causality = field(default_factory=Causality)
     engine_args: dict[str, list[str]] = field(default_factory=dict)  # engine -> regexes with group `args`
     config_overrides: list[ConfigOverride] = field(default_factory=list)
+    # per phase marker: the literals one of which each of its matches contains
+    # (case-sensitive, case-insensitive), or None where none can be read (marker_keywords)
+    phase_marker_keywords: list[tuple[tuple[str, ...], tuple[str, ...]] | None] = field(default_factory=list)
+
+    def marker_keywords(self) -> list[tuple[tuple[str, ...], tuple[str, ...]] | None]:
+        """``phase_marker_keywords``, one entry per phase marker: derived now when the
+        catalogue was made without them (in code, not loaded from files)."""
+        if len(self.phase_marker_keywords) != len(self.phase_markers):
+            self.phase_marker_keywords = [_keywords_or_none(rx) for _, rx, _ in self.phase_markers]
+        return self.phase_marker_keywords
 
     def rule(self, rule_id: str) -> Rule:
         for r in self.rules:
@@ -414,7 +424,7 @@ def load(extra_dirs: Iterable[str | Path] = (), include_builtin: bool = True) ->
 # -- the cache of loaded catalogues ------------------------------------------------------
 
 CACHE_ENV = "FORENSICS_CACHE_DIR"
-_CACHE_FORMAT = b"catalogue cache 2"  # bumped when the Catalogue class changes
+_CACHE_FORMAT = b"catalogue cache 3"  # bumped when the Catalogue class changes
 _log = logging.getLogger(__name__)
 
 
@@ -494,6 +504,8 @@ _CACHE_KEEP_S = 7 * 86400  # entries of other keys older than this are removed w
 
 
 def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
+    import yaml
+
     raw_rules: dict[str, tuple[dict, str]] = {}
     classes: dict[str, dict] = {}
     markers: list[tuple[str, str]] = []
@@ -579,7 +591,8 @@ def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
     return Catalogue(rules=rules, classes=class_infos, phase_markers=markers, metric_detectors=detectors,
                      sources=sources, skipped=skipped, rank_zero_prints=rank_zero,
                      rank_actors=rank_actors, relayed_ranks=relayed, causality=causality, engine_args=engine_args,
-                     config_overrides=list(overrides.values()))
+                     config_overrides=list(overrides.values()),
+                     phase_marker_keywords=[_keywords_or_none(rx) for _, rx, _ in markers])
 
 
 def _override(item: Any, where: str) -> ConfigOverride:
@@ -859,6 +872,15 @@ def derive_keywords(patterns: Iterable[str], where: str) -> tuple[tuple[str, ...
     return tuple(dict.fromkeys(cs)), tuple(dict.fromkeys(ci))
 
 
+def _keywords_or_none(pattern: str) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """:func:`derive_keywords` of one pattern, or None when it has no literal to require
+    (the pattern is then tried on every text)."""
+    try:
+        return derive_keywords([pattern], "")
+    except SignatureError:
+        return None
+
+
 def _required_literals(items: list) -> list[str]:
     """Alternatives of literals such that every match of ``items`` contains one of them;
     the option whose shortest literal is longest. Empty when nothing can be said."""
@@ -872,7 +894,8 @@ def _required_literals(items: list) -> list[str]:
             options.append([run])
             run = ""
         if op == sre_constants.SUBPATTERN:
-            sub = _required_literals(list(av[-1]))
+            # a group with its own case-insensitive flag, (?i:...), requires no literal as written
+            sub = [] if av[1] & sre_constants.SRE_FLAG_IGNORECASE else _required_literals(list(av[-1]))
             if sub:
                 options.append(sub)
         elif op == sre_constants.BRANCH:

@@ -189,3 +189,48 @@ def test_an_engine_building_its_process_groups_is_the_start_up(markers):
 def test_a_call_that_mentions_import_is_not_an_import(markers):
     text = tb(("/work/app/train_rl.py", 50, "<module>", "import_weights(model, path)"), exc="ValueError: bad")
     assert phase_of(text, markers, frames_only=True) is None
+
+
+# -- the lazily compiled markers the diagnosis uses (context.Marker) -------------------------
+
+def _texts_to_try() -> list[str]:
+    """Lines of every shape the markers meet: the tracebacks above, frames naming each
+    marker's own words in other cases, non-ASCII text, and corpus lines when ../shared is
+    there."""
+    from pathlib import Path
+
+    texts = [ln for t in (CONSTRUCTOR, DATASET, MEGATRON, STEP) for ln in t.split("\n")]
+    for _, rx, _ in sig.load().phase_markers:
+        for kw in sig._required_literals(list(sig.sre_parse.parse(rx))) or []:
+            texts += [f'  File "/x/{kw}.py", line 1, in {kw}', f"    self.{kw.upper()}()", f"    {kw.lower()}(x)",
+                      f"  File \"/x/İ{kw}.py\", line 2, in run"]
+    corpus = Path(__file__).resolve().parents[2] / "shared" / "corpus"
+    for f in sorted(corpus.glob("public/*/**/*.log"))[:40] if corpus.is_dir() else []:
+        texts += f.read_text(encoding="utf-8", errors="replace").splitlines()[:400]
+    return texts
+
+
+def test_lazy_markers_agree_with_their_regexes():
+    from forensics.diagnosis.context import Marker
+
+    cat = sig.load()
+    kws = cat.marker_keywords()
+    assert len(kws) == len(cat.phase_markers) and sum(k is not None for k in kws) >= len(kws) - 3
+    texts = _texts_to_try()
+    for (_, rx, _), kw in zip(cat.phase_markers, kws):
+        lazy, plain = Marker(rx, kw), re.compile(rx)
+        for t in texts:
+            assert bool(lazy.search(t)) == bool(plain.search(t)), (rx, t)
+
+
+@pytest.mark.parametrize("pattern, hit, miss", [
+    (r"(?i)update_weights", "X.UPDATE_WEIGHTS()", "update_weight"),
+    (r"foo(?i:bar)", "fooBAR", "foo"),  # no literal is required of (?i:...): always tried
+    (r"save_(?:checkpoint|pretrained)\b", "model.save_pretrained(p)", "save_config"),
+])
+def test_a_lazy_marker_matches_what_its_regex_matches(pattern, hit, miss):
+    from forensics.diagnosis.context import Marker
+
+    m = Marker(pattern, sig._keywords_or_none(pattern))
+    assert m.search(hit) and not m.search(miss)
+    assert m.search("Ünïcode " + hit)  # non-ASCII text skips the lowered test, not the match

@@ -15,7 +15,31 @@ _FRAME_LINE = re.compile(r'^\s*File "|ray::\S+ \(pid=\d+|^\s+[\w.<>]+ \([^()]+\.
 LineVerdict = tuple[int | None, str | None]  # (first override marker that matches, first other marker's phase)
 
 
-def line_verdict(line: str, markers: list[tuple[str, re.Pattern, bool]]) -> LineVerdict:
+class Marker:
+    """A phase marker's regex with the literals one of which each of its matches contains
+    (``keywords``: case-sensitive and case-insensitive ones, or None when there are none):
+    a line without any cannot match, and the regex is compiled only when a line has one
+    (a diagnosis would otherwise compile every marker at start-up, most of them in vain)."""
+
+    __slots__ = ("pattern", "cs", "ci", "_rx")
+
+    def __init__(self, pattern: str, keywords: tuple[tuple[str, ...], tuple[str, ...]] | None = None):
+        self.pattern = pattern
+        self.cs, self.ci = keywords if keywords is not None else ((), ())
+        self.ci = tuple(k.lower() for k in self.ci)
+        self._rx: re.Pattern | None = None if keywords is not None else re.compile(pattern)
+
+    def search(self, line: str) -> "re.Match | None":
+        if (self.cs or self.ci) and not any(k in line for k in self.cs):
+            # lower() agrees with the regex's case folding on ASCII only: other text is tried
+            if not self.ci or (line.isascii() and not any(k in line.lower() for k in self.ci)):
+                return None
+        if self._rx is None:
+            self._rx = re.compile(self.pattern)
+        return self._rx.search(line)
+
+
+def line_verdict(line: str, markers: list[tuple[str, "re.Pattern | Marker", bool]]) -> LineVerdict:
     """What the phase markers say of one line: the index of the first ``override`` marker
     that matches it, and the phase of the first other marker that does (None: none)."""
     first_override = plain = None
@@ -33,7 +57,7 @@ def line_verdict(line: str, markers: list[tuple[str, re.Pattern, bool]]) -> Line
 LINE_VERDICTS_KEPT = 200_000  # distinct lines whose verdicts a Context keeps at a time
 
 
-def phase_of(text: str | None, markers: list[tuple[str, re.Pattern, bool]], frames_only: bool = False,
+def phase_of(text: str | None, markers: list[tuple[str, "re.Pattern | Marker", bool]], frames_only: bool = False,
              verdicts: dict[str, LineVerdict] | None = None) -> str | None:
     """The phase a traceback (or a task name) implies: an ``override`` phase whose marker
     matches any line wins (the first such marker); otherwise the deepest (last) line that
@@ -74,7 +98,7 @@ class Context:
         self.cat = cat
         self.performance = performance
         self.causality = cat.causality
-        self.markers = [(p, re.compile(rx), o) for p, rx, o in cat.phase_markers]
+        self.markers = [(p, Marker(rx, kw), o) for (p, rx, o), kw in zip(cat.phase_markers, cat.marker_keywords())]
         self._phases: dict[tuple[str | None, bool], str | None] = {}
         self._line_verdicts: dict[str, LineVerdict] = {}
         self.same_moment = timedelta(seconds=cat.causality.same_moment_s)
