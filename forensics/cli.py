@@ -276,6 +276,11 @@ def _interruptible():
     told so, also when DuckDB or Arrow turn the interrupt into an error of their own."""
     def on_signal(signum, frame):
         State.interrupted = True
+        # DuckDB would finish the statement under way first: stop it now (no connection
+        # is open unless the module that opens them has been imported)
+        database = sys.modules.get("forensics.database")
+        if database is not None:
+            database.interrupt_all()
         raise KeyboardInterrupt
 
     State.interrupted = False

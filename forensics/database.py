@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 import duckdb
@@ -28,6 +29,38 @@ REPORT_DB_MEMORY = "512MB"
 
 
 PARTS_KEY = "parts_url"  # meta: where the parts of a views-only database are (ingest --engine ray --views-only)
+
+
+# -- interrupts -------------------------------------------------------------------------
+# DuckDB's Python binding, given Ctrl-C while a statement runs, lets the statement run to
+# its end before it reports the interrupt (a scan of a big table: tens of seconds); an
+# explicit interrupt() of the connection running it stops it at once. The commands' signal
+# handler (cli._interruptible) therefore interrupts every connection and cursor opened
+# through :func:`connect` and :func:`interruptible`.
+_LIVE: "weakref.WeakSet[duckdb.DuckDBPyConnection]" = weakref.WeakSet()
+
+
+def interruptible(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyConnection:
+    """``con`` (a connection or a cursor, which DuckDB interrupts apart from its
+    connection), made known to :func:`interrupt_all`."""
+    _LIVE.add(con)
+    return con
+
+
+def connect(database: str = ":memory:", read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """``duckdb.connect``, the connection made known to :func:`interrupt_all`."""
+    return interruptible(duckdb.connect(database, read_only=read_only))
+
+
+def interrupt_all() -> None:
+    """Stop the statement that each open connection and cursor of :func:`connect` and
+    :func:`interruptible` runs (an idle one is not affected: DuckDB keeps no pending
+    interrupt for its next statement)."""
+    for con in list(_LIVE):
+        try:
+            con.interrupt()
+        except duckdb.ConnectionException:  # closed since it was made: nothing runs on it
+            _LIVE.discard(con)
 
 
 def attach_parts(con: duckdb.DuckDBPyConnection) -> str | None:

@@ -15,6 +15,8 @@ import os
 import duckdb
 import polars as pl
 
+from .database import connect
+
 Connection = duckdb.DuckDBPyConnection
 
 COLUMNS = (
@@ -26,7 +28,7 @@ SUSPECT = ("missing", "behind")
 
 def _connect(con: Connection | str | os.PathLike) -> tuple[Connection, bool]:
     if isinstance(con, (str, os.PathLike)):
-        return duckdb.connect(str(con), read_only=True), True
+        return connect(str(con), read_only=True), True
     return con, False
 
 

@@ -40,6 +40,8 @@ import numpy as np
 import polars as pl
 
 from . import phases as ph
+from .database import connect as db_connect
+from .database import interruptible
 from .store import (DB_MEMORY, REPORT_DB_MEMORY, NoSuchRun, attach_parts, diagnosable_runs, memory_limit, pick_run,
                     restrict_to_run, restricted_run, set_memory_limit)
 
@@ -797,7 +799,7 @@ def build(con: duckdb.DuckDBPyConnection, title: str = "forensics post-mortem") 
     # wait on each other (one aggregate of phase_steps: 0.3 CPU s with two, 0.05 with one).
     threads = con.execute("SELECT current_setting('threads')").fetchall()[0][0]
     con.execute("SET threads = 1")
-    diag_con = con.cursor()
+    diag_con = interruptible(con.cursor())
     try:
         restrict_to_run(diag_con, restricted_run(con))  # a cursor has TEMP views of its own: the same run
         diag_con.execute("SET enable_progress_bar = false").fetchall()
@@ -927,7 +929,7 @@ def write_report(db: str | os.PathLike, out: str | os.PathLike, title: str | Non
     ``store.pick_run``), else it raises ``store.NoSuchRun`` listing them."""
     if not os.path.exists(db):
         raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
-    con = duckdb.connect(str(db), read_only=True)
+    con = db_connect(str(db), read_only=True)
     try:
         attach_parts(con)  # a database of views over parts on object storage
         con.execute("SET enable_progress_bar = false").fetchall()

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from . import parsers, sql_modules
+from .database import connect as db_connect
 from .database import (DB_MEMORY, FORMAT_FACTS_KEY, PARTS_KEY, FormatFacts, REPORT_DB_MEMORY, NoSuchRun, RunRow, SettingError, StoreError, StoreLocked,  # noqa: F401
                        apply_setting, attach_parts, diagnosable_runs, has_table, main_relations, memory_limit, pick_run,
                        restrict_to_run, restricted_run, set_memory_limit)
@@ -315,7 +316,7 @@ class Store:
                   and _start_from_template(self.path))
         try:
             try:
-                self.con = duckdb.connect(self.path, read_only=read_only)
+                self.con = db_connect(self.path, read_only=read_only)
             except duckdb.Error:
                 if not copied:
                     raise
@@ -323,7 +324,7 @@ class Store:
                 for damaged in (self.path, template_path()):
                     if os.path.exists(damaged):
                         os.unlink(damaged)
-                self.con = duckdb.connect(self.path, read_only=read_only)
+                self.con = db_connect(self.path, read_only=read_only)
         except duckdb.IOException as exc:
             text = str(exc)
             if "lock" in text.lower():

@@ -1047,36 +1047,81 @@ def test_interrupt_does_not_wait_for_a_big_files_parse(tmp_path):
     assert not alive, "parser processes outlived their ingest"
 
 
-def interrupt_when(proc, ready, what: str, timeout: float) -> str:
-    """Send SIGINT to ``proc`` once ``ready()``; it must end as interrupted (130): its stderr."""
+def interrupt_when(proc, ready, what: str, timeout: float, within: float = 60) -> str:
+    """Send SIGINT to ``proc`` once ``ready()``; it must end as interrupted (130), within
+    ``within`` seconds of the signal: its stderr."""
     deadline = time.time() + timeout
     while not ready():
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
         assert time.time() < deadline, what
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=60)[1].decode()
+    t0 = time.time()
+    try:
+        err = proc.communicate(timeout=within)[1].decode()
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise AssertionError(f"still running {within} s after Ctrl-C") from None
     assert proc.returncode == 130, err[-2000:]
+    assert time.time() - t0 < within
     return err
 
 
 @pytest.mark.parametrize("command", ["query", "diagnose"])
 def test_interrupting_a_long_query_is_an_interrupt_not_an_internal_error(tmp_path, command):
     """DuckDB turns Ctrl-C during a query (in the main thread or another) into an error of
-    its own: the command must still end as interrupted (130), not as an internal error."""
+    its own: the command must still end as interrupted (130), not as an internal error;
+    and at once, not when the statement is done (DuckDB's binding lets it run to its end
+    unless the connection is interrupted: ~40 s for this one)."""
     db = tmp_path / "q.duckdb"
     pipeline.ingest([str(FOUNDATION)], str(db), workers=1)
     slow = "SELECT count(*) FROM range(10000000000) t(i) WHERE i % 7 = 3"
     if command == "query":
         argv = ["-m", "forensics", "query", slow, "--db", str(db)]
-    else:  # a diagnosis made slow: DuckDB's error reaches the command's caller
-        argv = ["-c", "import duckdb, sys; from forensics import cli, diagnose as dg; "
-                f"dg.diagnose = lambda *a, **k: duckdb.connect().execute({slow!r}).fetchall(); "
+    else:  # a diagnosis made slow, on its own connection: DuckDB's error reaches the command's caller
+        argv = ["-c", "import sys; from forensics import cli; from forensics.diagnosis import matching; "
+                f"matching.line_hits = lambda con, cat: con.execute({slow!r}).fetchall(); "
                 "sys.argv = ['forensics', 'diagnose', '--db', sys.argv[1]]; cli.main()", str(db)]
     proc = psutil.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interruptible)
     # started (~1 CPU s) and well into the query (~50 CPU s)
-    err = interrupt_when(proc, lambda: sum(proc.cpu_times()[:2]) >= 3.0, "the command did not get into its query", 120)
+    err = interrupt_when(proc, lambda: sum(proc.cpu_times()[:2]) >= 3.0, "the command did not get into its query", 120,
+                         within=15)
     assert "interrupted" in err and "internal error" not in err and "Traceback" not in err, err[-2000:]
+
+
+def test_interrupt_all_stops_the_statements_of_connections_and_cursors():
+    """database.interrupt_all stops what a cursor runs in another thread (DuckDB interrupts
+    a cursor apart from its connection), forgets closed connections and leaves idle ones
+    usable."""
+    import threading
+
+    import duckdb
+
+    from forensics import database
+
+    con = database.connect()
+    cur = database.interruptible(con.cursor())
+    closed = database.connect()
+    closed.close()
+    failed: list[BaseException] = []
+
+    def long_query():
+        try:
+            cur.execute("SELECT count(*) FROM range(10000000000) t(i) WHERE i % 7 = 3").fetchall()
+        except duckdb.Error as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=long_query)
+    worker.start()
+    time.sleep(0.5)
+    t0 = time.time()
+    database.interrupt_all()
+    worker.join(20)
+    assert not worker.is_alive() and time.time() - t0 < 5
+    assert failed and "nterrupt" in str(failed[0])
+    assert closed not in database._LIVE
+    assert con.execute("SELECT 42").fetchall() == [(42,)]
 
 
 def test_two_ingests_into_one_database(tmp_path, gz_folder):

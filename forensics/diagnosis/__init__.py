@@ -26,7 +26,7 @@ import duckdb
 from .. import catalogue as sig
 from .. import detectors
 from ..catalogue import Catalogue
-from ..database import RunRow, SettingError, attach_parts, diagnosable_runs, pick_run, restrict_to_run, set_memory_limit
+from ..database import RunRow, SettingError, attach_parts, connect, diagnosable_runs, pick_run, restrict_to_run, set_memory_limit
 from . import explain, incident, matching, placement, selection, times
 from .context import Context
 from .explain import render as render_one
@@ -70,7 +70,7 @@ def diagnose(db: str | os.PathLike | None = None, signature_dirs: Iterable[str] 
     if own:
         if db is None or not os.path.exists(db):
             raise FileNotFoundError(f"no database at {db}: run `forensics ingest PATH --db {db}` first")
-        con = duckdb.connect(str(db), read_only=True)
+        con = connect(str(db), read_only=True)
         attach_parts(con)  # a database of views over parts on object storage
         con.execute("SET enable_progress_bar = false")  # the CLI prints its own output
         try:

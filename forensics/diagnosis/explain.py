@@ -11,6 +11,7 @@ from typing import Any
 import duckdb
 
 from ..catalogue import ConfigOverride, Remedy
+from ..database import interruptible
 from . import times
 from .context import Context
 from .facts import RunConfig, RunFacts
@@ -220,7 +221,7 @@ class PendingFindings:
             from ..database import restrict_to_run, restricted_run
 
             # a cursor has TEMP views and macros of its own: the same run, its own phase rules
-            p._cursor = con.cursor()
+            p._cursor = interruptible(con.cursor())
             run_id = restricted_run(con)
             if run_id is not None:
                 restrict_to_run(p._cursor, run_id)
