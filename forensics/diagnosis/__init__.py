@@ -184,7 +184,7 @@ def _stages(ctx: Context, pending: "explain.PendingFindings | None") -> Diagnosi
     facts = RunFacts(con, ctx.cat)
     for h in hits:
         h.own_file = h.fmt in facts.format_facts.own_output
-    placement.attach_task_pids(ctx, hits)
+    placement.attach_task_pids(ctx, hits, facts)
     placement.attach_bodies(ctx, hits)
     times.attach_ts_hi(con, hits, lambda *a: placement.keyed_rows(ctx, *a))
     placement.place(ctx, hits, facts)

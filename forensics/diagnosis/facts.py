@@ -121,9 +121,14 @@ class RunFacts:
                 self.pid_actor.setdefault(pid, actor)
                 if method and actor not in self.driver_actors:
                     self.task_methods.setdefault(pid, method)
-        for pid, actor_class, method in self.con.execute(
-            "SELECT pid, actor_class, method FROM ray_task_errors WHERE pid IS NOT NULL AND method IS NOT NULL ORDER BY file_id, line_no"
-        ).fetchall():
+        # the Ray task headers with a pid, read once (the view scans every line): placement
+        # reads them too (attach_task_pids)
+        self.task_headers: list[tuple[int, int, int, str | None, str | None]] = [tuple(r) for r in self.con.execute(
+            "SELECT file_id, line_no, pid, actor_class, method FROM ray_task_errors WHERE pid IS NOT NULL ORDER BY file_id, line_no"
+        ).fetchall()]
+        for _, _, pid, actor_class, method in self.task_headers:
+            if method is None:
+                continue
             if actor_class not in self.driver_actors and method != "run":
                 self.task_methods.setdefault(pid, method)
         # the order in which each node's raylet started worker processes (actors are created

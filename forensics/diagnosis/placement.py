@@ -53,15 +53,14 @@ def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
             h.body = bodies.get((h.file_id, h.event_line))
 
 
-def attach_task_pids(ctx: Context, hits: list[Hit]) -> None:
+def attach_task_pids(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
     """A traceback printed under a Ray task header (``RayTaskError(...): ray::X.m() (pid=N``,
     ``Unhandled error ...: ray::X.m() (pid=N``) is worker N's, even when the driver's
-    TaskRunner prints it: the nearest such header above the line, within 60 lines."""
+    TaskRunner prints it: the nearest such header above the line, within 60 lines (the
+    headers: ``facts.task_headers``)."""
     driver = set(ctx.causality.driver_actors)
     heads: dict[int, list[tuple[int, int, str | None]]] = defaultdict(list)
-    for file_id, line_no, pid, actor_class in ctx.con.execute(
-        "SELECT file_id, line_no, pid, actor_class FROM ray_task_errors WHERE pid IS NOT NULL ORDER BY file_id, line_no"
-    ).fetchall():
+    for file_id, line_no, pid, actor_class, _ in facts.task_headers:
         heads[file_id].append((line_no, pid, actor_class))
     for h in hits:
         if h.line_no is None or h.file_id not in heads:
