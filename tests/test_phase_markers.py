@@ -234,3 +234,23 @@ def test_a_lazy_marker_matches_what_its_regex_matches(pattern, hit, miss):
     m = Marker(pattern, sig._keywords_or_none(pattern))
     assert m.search(hit) and not m.search(miss)
     assert m.search("Ünïcode " + hit)  # non-ASCII text skips the lowered test, not the match
+
+
+@pytest.mark.parametrize("code", [
+    "ray.init(address=args.address, runtime_env=env)",
+    "context = ray.init(num_cpus=8)",
+    "num_cpus=config.ray_init.num_cpus,",  # the argument line Python shows inside a multi-line ray.init(
+])
+def test_a_driver_starting_ray_is_the_start_up(markers, code):
+    # shape of rllm-org/rllm#197 (an OmegaConf error while the driver builds ray.init's arguments)
+    text = tb(("/work/app/train.py", 25, "main", "run_trainer(config)"),
+              ("/work/app/train.py", 37, "run_trainer", code),
+              exc="omegaconf.errors.ConfigAttributeError: Key 'ray_init' is not in struct")
+    assert phase_of(text, markers, frames_only=True) == "init"
+
+
+def test_a_call_that_only_names_ray_init_in_passing_is_not_the_start_up(markers):
+    text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 1000, "fit", "self.log(ray_init_time=t0)"),
+              ("/work/verl/workers/actor/dp_actor.py", 400, "update_policy", "loss.backward()"),
+              exc="torch.OutOfMemoryError: CUDA out of memory.")
+    assert phase_of(text, markers, frames_only=True) == "train"
