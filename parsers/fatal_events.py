@@ -148,12 +148,14 @@ _SIGNAL_WORDS = "Segmentation fault|Bus error|Aborted|Illegal instruction|Floati
 _SIGNAL_OF_WORD = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
                    "Illegal instruction": "SIGILL", "Floating point exception": "SIGFPE", "Killed": "SIGKILL"}
 _EXIT = re.compile(
-    r"(?:exit(?:ed)? with (?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
+    r"(?:exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
     r"|^(?P<segv>Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception)(?: \(core dumped\))?\s*$"
     r"|^(?P<killed>Killed)\s*$"
     # bash's report of a job a signal ended: `./run.sh: line 12:  1188 Killed   python ...`,
     # interactively `[1]+  Killed   python ...`
     r"|^(?:\S+: line \d+: +\d+ |\[\d+\][+-]? +)(?P<jobsig>" + _SIGNAL_WORDS + r")(?: \(core dumped\))?(?:\s|$)")
+_SIGNAL_OF_SHELL_STATUS = {128 + 4: "SIGILL", 128 + 6: "SIGABRT", 128 + 7: "SIGBUS", 128 + 8: "SIGFPE", 128 + 9: "SIGKILL",
+                           128 + 11: "SIGSEGV"}
 _PROGRESS = re.compile(r"\d+%\|[^|]*\||\d+it/s\]|\[\d+:\d+<")
 _SIGNAL_EXIT = re.compile(r"Signal (?P<num>\d+) \((?P<sig>SIG[A-Z]+)\) received")
 
@@ -164,7 +166,7 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"\s{2,}Traceback \(most recent call last\)\s*$|"
            r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
-           r"exit(?:ed)? with (?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
+           r"exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
            r"^(?:Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed)|"
            r"^\S+: line \d+: +\d+ (?:" + _SIGNAL_WORDS + r")|^\[\d+\][+-]? +(?:" + _SIGNAL_WORDS + r")|"
            r"^\s*(?:PC: )?@\s+0x")
@@ -712,6 +714,9 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
         ev.exc_row = row
         if code is not None:
             ev.exit_code = int(code)
+            # a shell (and docker, Kubernetes, an IDE) reports a process a signal ended as
+            # 128 + the signal's number: 137 is SIGKILL, 139 SIGSEGV
+            ev.signal = _SIGNAL_OF_SHELL_STATUS.get(ev.exit_code)
         else:
             ev.signal = _SIGNAL_OF_WORD[x.group("killed") or x.group("segv") or x.group("jobsig")]
         sig = _SIGNAL_EXIT.search(m)

@@ -264,6 +264,27 @@ def test_hydra_wrapper_and_exit_codes():
     assert rows[0]["line_no"] == 1 and rows[0]["exc_line"] == 5
 
 
+def test_gnu_times_report_of_a_failed_command_is_an_exit():
+    # `/usr/bin/time` (GNU) after a command that failed: "Command exited with non-zero status N"
+    _, ev = _parse('''
+        step:2 - actor/pg_loss:0.19
+        Command exited with non-zero status 3
+        1211.31user 88.02system 20:31.77elapsed 105%CPU (0avgtext+0avgdata 9342104maxresident)k
+        the tool exited with status 0 and a non-zero count of warnings
+        ''')
+    assert [(r["line_no"], r["kind"], r["exit_code"]) for r in ev.iter_rows(named=True)] == [(2, "exit", 3)]
+
+
+def test_an_exit_status_above_128_is_the_signal_that_ended_the_process():
+    _, ev = _parse('''
+        Process finished with exit code 137 (interrupted by signal 9: SIGKILL)
+        container trainer exited with code 139
+        worker exited with status 130
+        ''')
+    assert [(r["exit_code"], r["signal"], r["exc_type"]) for r in ev.iter_rows(named=True)] == [
+        (137, "SIGKILL", "SIGKILL"), (139, "SIGSEGV", "SIGSEGV"), (130, None, "exit 130")]
+
+
 def test_a_shell_reports_the_signal_that_ended_a_job():
     _, ev = _parse('''
         step:2 - actor/pg_loss:0.19
