@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import duckdb
 
-from .database import DB_MEMORY, NoSuchRun, SettingError, StoreError, memory_limit
+from .database import DB_MEMORY, NoSuchRun, SettingError, StoreError, memory_limit, statements_stop_on_interrupt
 from .errors import ForensicsError
 
 # Imported where used: polars, pyarrow and the parsers (the store, the ingest, the phase
@@ -61,6 +61,7 @@ class Run:
         self.last_ingest: pipeline.IngestSummary | None = None
         phases_mod.attach(self.con)  # phase rules (signatures/phases.yaml) for the phase views
 
+    @statements_stop_on_interrupt
     def sql(self, query: str, params: list[Any] | None = None) -> pl.DataFrame:
         """Run SQL and return a polars DataFrame (``.to_pandas()`` for pandas). DuckDB's
         own errors (syntax, unknown table, ...) come as they are; :func:`query` turns
@@ -330,6 +331,7 @@ def collect(out: str | os.PathLike, address: str | None = None) -> dict:
         raise ForensicsError(f"cannot write {out}: {exc}") from exc
 
 
+@statements_stop_on_interrupt
 def query(db: str | os.PathLike, sql: str, write: bool = False) -> pl.DataFrame:
     """Run one SQL statement on ``db`` (``forensics query``) and return its result;
     read-only unless ``write``. An error of the statement is a :class:`ForensicsError`
@@ -387,6 +389,7 @@ def query_batches(db: str | os.PathLike, sql: str, write: bool = False, batch_ro
         run.close()
 
 
+@statements_stop_on_interrupt
 def export(
     db: str | os.PathLike,
     parquet: str | os.PathLike | None = None,
@@ -414,6 +417,7 @@ def export(
     return written
 
 
+@statements_stop_on_interrupt
 def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", title: str | None = None,
            run: str | int | None = None) -> "ReportResult":
     """Write the self-contained post-mortem HTML of ``db`` to ``output`` (``forensics
@@ -437,6 +441,7 @@ def report(db: str | os.PathLike, output: str | os.PathLike = "report.html", tit
         raise ForensicsError(f"cannot write {output}: {exc}") from exc
 
 
+@statements_stop_on_interrupt
 def diagnose(db: str | os.PathLike, signatures: Iterable[str] = (), context: int = 0,
              run: str | int | None = None) -> "Diagnosis | RunDiagnoses":
     """Diagnose the run(s) in ``db`` (``forensics diagnose``): a ``diagnose.Diagnosis``
@@ -490,6 +495,7 @@ def catalogue(signatures: Iterable[str] = (), check: bool = False) -> "Catalogue
     return cat
 
 
+@statements_stop_on_interrupt
 def evaluate(corpus_dir: str | os.PathLike, work: str | os.PathLike | None = None, signatures: Iterable[str] = ()) -> "EvalReport":
     """Ingest every labelled bundle under ``corpus_dir`` (each folder with a label.json),
     diagnose it and score the diagnosis against its label (``forensics evaluate``); an

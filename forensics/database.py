@@ -9,7 +9,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import functools
 import os
+import signal
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -61,6 +64,39 @@ def interrupt_all() -> None:
             con.interrupt()
         except duckdb.ConnectionException:  # closed since it was made: nothing runs on it
             _LIVE.discard(con)
+
+
+def statements_stop_on_interrupt(fn):
+    """Decorator for the Python API (a notebook, a script): Ctrl-C, or a kernel's
+    interrupt, while ``fn`` runs stops the DuckDB statement under way at once and ends the
+    call with ``KeyboardInterrupt`` (DuckDB alone would finish the statement first and then
+    raise an error of its own). Only in the main thread, and only while SIGINT has Python's
+    default handler: a program with its own (the command line's) keeps it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() \
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return fn(*args, **kwargs)
+        hit = False
+
+        def on_interrupt(signum, frame):
+            nonlocal hit
+            hit = True
+            interrupt_all()
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # DuckDB's report of the interrupt, or an error made of it
+            if hit:
+                raise KeyboardInterrupt from exc
+            raise
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    return wrapper
 
 
 def attach_parts(con: duckdb.DuckDBPyConnection) -> str | None:

@@ -1090,6 +1090,19 @@ def test_interrupting_a_long_query_is_an_interrupt_not_an_internal_error(tmp_pat
     assert "interrupted" in err and "internal error" not in err and "Traceback" not in err, err[-2000:]
 
 
+def test_interrupting_the_python_api_stops_its_statement_at_once(tmp_path):
+    """A notebook's interrupt (SIGINT, Python's default handler) during Run.sql ends the
+    call with KeyboardInterrupt at once, not when DuckDB has finished the statement."""
+    db = tmp_path / "n.duckdb"
+    pipeline.ingest([str(FOUNDATION)], str(db), workers=1)
+    slow = "SELECT count(*) FROM range(10000000000) t(i) WHERE i % 7 = 3"
+    code = ("import sys, forensics\nrun = forensics.open(sys.argv[1])\n"
+            f"try:\n    run.sql({slow!r})\nexcept KeyboardInterrupt:\n    print('interrupted')\n    sys.exit(130)\n")
+    proc = psutil.Popen([sys.executable, "-c", code, str(db)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                        preexec_fn=interruptible)
+    interrupt_when(proc, lambda: sum(proc.cpu_times()[:2]) >= 3.0, "the call did not get into its query", 120, within=15)
+
+
 def test_interrupt_all_stops_the_statements_of_connections_and_cursors():
     """database.interrupt_all stops what a cursor runs in another thread (DuckDB interrupts
     a cursor apart from its connection), forgets closed connections and leaves idle ones
