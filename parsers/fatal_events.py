@@ -298,10 +298,23 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
         h = st.headers[st.rows[j]]
         return h is not None and h != own
 
+    # a traceback pasted with every line indented (a quoted block, a console that adds a
+    # margin): its header's indentation is the margin, taken off every line that has it, so
+    # the exception line is told from the frames' source lines
+    head = st.msgs[st.rows[ev.first]]
+    margin = len(head) - len(head.lstrip(" ")) if head.lstrip(" ").startswith("Traceback") and _TB_HEAD.search(head) else 0
+
+    def raw_at(j: int) -> str:
+        r = st.msgs[st.rows[j]]
+        return r[margin:] if margin and r[:margin] == " " * margin else r
+
+    def msg_at(j: int) -> str:
+        return raw_at(j).rstrip()
+
     indented = None  # whether this traceback's frame lines are indented (as Python prints them)
     after_frame = False  # the previous line was a frame line
     while k < n:
-        raw = st.msgs[st.rows[k]]
+        raw = raw_at(k)
         m = raw.rstrip()
         if _PROGRESS.search(m) and '"' not in m:
             k += 1  # a progress bar redrawn in the middle (another thread's tqdm)
@@ -338,24 +351,27 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             if _blank(m):
                 # the message may go on after a blank line (Dynamo's advice) when a chain line follows
                 j, text = k + 1, []
-                while j < n and j - k <= 10 and not _CHAIN.match(st.msg(j)):
-                    mj = st.msg(j)
+                while j < n and j - k <= 10 and not _CHAIN.match(msg_at(j)):
+                    mj = msg_at(j)
                     if _TB_HEAD.search(mj) or _FRAME.match(mj) or _starts_other(mj) or foreign(j):
                         break
                     if not _blank(mj):
                         text.append(mj.strip())
                     j += 1
-                if j < n and _CHAIN.match(st.msg(j)):
+                if j < n and _CHAIN.match(msg_at(j)):
                     if text:
                         part.message = (part.message + "\n" if part.message else "") + "\n".join(text)
                     k = j
                     continue
-                if _is_ray_wrapper(part) and k + 1 < n and _FRAME.match(st.msg(k + 1)):
+                if _is_ray_wrapper(part) and k + 1 < n and _FRAME.match(msg_at(k + 1)):
                     k += 1
                     continue
                 break
             if foreign(k) or _starts_other(m):
                 break
+            if _CARET.match(m) and _is_ray_wrapper(part):
+                ev.last, k = k, k + 1  # Python 3.11's markers under the task line (`^^^^`), their indentation lost
+                continue
             e = _EXC_STRICT.match(m)
             if e and _is_ray_wrapper(part) and part.wrapped and _short(e.group("type")) == _short(part.wrapped):
                 # the wrapped exception right under its RayTaskError header (a remote part with no frames)
@@ -384,9 +400,9 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             # NCCL or glog line of the same process) between frames was written in between by
             # another thread; the traceback goes on when frames follow
             j = k + 1
-            while j < n and j - k <= 8 and (_blank(st.msg(j)) or foreign(j)):
+            while j < n and j - k <= 8 and (_blank(msg_at(j)) or foreign(j)):
                 j += 1
-            if j < n and j - k <= 8 and _FRAME.match(st.msg(j)):
+            if j < n and j - k <= 8 and _FRAME.match(msg_at(j)):
                 k = j
                 continue
             break
@@ -397,7 +413,10 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             ev.last, k = k, k + 1
             continue
         strict = _EXC_STRICT.match(m)
-        if state == "frames" and not indented and after_frame and not strict and not _EXC_LOOSE.match(m) and not _starts_other(m):
+        loose = _EXC_LOOSE.match(m)
+        # a source line that only looks like `Type(Wrapped)` (`run_ppo(config)`, `train(args)`)
+        # is the frame's code: an exception's type starts with a capital (or `_`)
+        if state == "frames" and not indented and after_frame and not strict and not (loose and _plausible_type(loose.group("type"))) and not _starts_other(m):
             part.frames[-1]["code"], part.frames[-1]["code_row"] = m.strip(), st.rows[k]  # the frame's source line, its indentation lost
             after_frame = False
             ev.last, k = k, k + 1
@@ -408,7 +427,7 @@ def _python_event(st: _Stream, k: int, ev: _Event, state: str = "expect") -> int
             state = "message"
             ev.last, k = k, k + 1
             continue
-        if state == "frames" and indented and k + 1 < n and (_FRAME.match(st.msg(k + 1)) or st.msgs[st.rows[k + 1]][:1] in (" ", "\t")):
+        if state == "frames" and indented and k + 1 < n and (_FRAME.match(msg_at(k + 1)) or raw_at(k + 1)[:1] in (" ", "\t")):
             k += 1  # a line of another stream printed between two frames: not part of the traceback
             continue
         break

@@ -149,6 +149,40 @@ def test_frames_whose_indentation_was_lost():
     assert e["user_frame"] == "grpo_trainer.py:104 in _score_output"
 
 
+def test_lost_indentation_call_lines_and_markers_under_a_ray_task():
+    # a source line shaped like `name(arg)` is code, not an exception; Python 3.11's `^^^`
+    # markers under a RayTaskError's task line do not end the event
+    e = _one('''
+        Traceback (most recent call last):
+        File "/w/rl/launch.py", line 20, in main
+        train(cfg)
+        File "/w/venv/lib/python3.12/site-packages/ray/_private/worker.py", line 968, in get_objects
+        raise value.as_instanceof_cause()
+        ray.exceptions.RayTaskError(ValueError): ray::Runner.run() (pid=41, ip=10.0.0.5)
+        ^^^^^^^^^^^^^^^^^^^^^^^
+        File "/w/rl/scoring.py", line 33, in score
+        raise ValueError(f"no scorer for {name}")
+        ValueError: no scorer for puzzles
+        ''')
+    assert [f["code"] for f in e["frames"]][0] == "train(cfg)"
+    assert (e["exc_type"], e["message"], e["exc_line"], e["wrapper"]) == ("ValueError", "no scorer for puzzles", 10, "RayTaskError")
+
+
+def test_traceback_pasted_with_a_margin():
+    # every line indented by one space: the exception line is at the header's indentation
+    e = _one('''
+        building the engine
+         Traceback (most recent call last):
+           File "/w/run.py", line 12, in <module>
+             main()
+           File "/w/venv/lib/python3.11/site-packages/vllm/config.py", line 2055, in _verify_args
+             raise ValueError(
+         ValueError: max_num_batched_tokens (2048) is smaller than max_model_len (8192).
+        ''')
+    assert (e["exc_type"], e["exc_line"], e["cut_off"]) == ("ValueError", 7, False)
+    assert [f["code"] for f in e["frames"]] == ["main()", "raise ValueError("]
+
+
 def test_prefixed_streams_are_followed_apart():
     """Two workers' tracebacks interleaved on the driver, and a driver line between them."""
     lines, ev = _parse('''
