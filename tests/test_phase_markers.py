@@ -93,6 +93,12 @@ def test_a_ray_init_method_is_the_start_up(markers):
     assert phase_of("ray::MegatronActor.init_worker() (pid=4242, ip=10.0.0.2)", markers) == "init"
 
 
+def test_an_engine_receiving_broadcast_weights_is_the_sync(markers):
+    lines = "step:4 - actor/pg_loss:0.19\nupdate weight: model.layers.3.mlp.up_proj.weight, dtype: torch.bfloat16, shape: torch.Size([11008, 4096])"
+    assert phase_of(lines, markers) == "sync"
+    assert phase_of("we will update weight: decay later, dtype: none", markers) is None
+
+
 def test_a_trainer_method_other_than_its_constructor_is_not_the_start_up(markers):
     text = tb(("/work/verl/trainer/ppo/ray_trainer.py", 1000, "fit", "self._validate()"),
               ("/work/verl/trainer/ppo/ray_trainer.py", 700, "_validate", "output = self.val_reward_fn(batch)"))
