@@ -58,6 +58,26 @@ def test_cri_log_prefix_is_stripped_and_the_header_behind_it_read():
     assert [f["function"] for f in ev["frames"]] == ["event_loop_normal"]
 
 
+def test_docker_timestamps_and_a_raw_streams_frame_residue_are_stripped():
+    """`docker logs --timestamps`, read without demultiplexing (what is left of each 8-byte
+    frame header: control bytes and one printable byte), behind a wrapper's service tag;
+    the traceback behind it is read. A file where few lines start so keeps them."""
+    text = ("[trainer] \x01\x00\x00\x00\x00\x00\x00B2025-05-23T16:49:12.290114123Z Traceback (most recent call last):\n"
+            "[trainer] o2025-05-23T16:49:12.290129429Z   File \"/app/rl/trainer.py\", line 335, in train\n"
+            "[trainer] 12025-05-23T16:49:12.290132874Z     self.step(batch)\n"
+            "[trainer] \ufffd2025-05-23T16:49:12.290135653Z ValueError: empty batch\n")
+    t = _parse(text)
+    lines = t["lines"].sort("line_no")
+    assert lines["node"].to_list() == ["trainer"] * 4
+    assert lines["message"][0] == "Traceback (most recent call last):" and lines["message"][3] == "ValueError: empty batch"
+    assert str(lines["ts"][0]) == "2025-05-23 16:49:12.290114"  # the daemon's time, read behind the residue
+    ev = t["fatal_events"].row(0, named=True)
+    assert ev["exc_type"] == "ValueError" and (ev["line_no"], ev["exc_line"]) == (1, 4)
+    assert [f["function"] for f in ev["frames"]] == ["train"]
+    tagged_once = "[trainer] 2025-05-23T16:49:12.290114123Z started\n" + "".join(f"step {i} loss=0.{i}\n" for i in range(5))
+    assert _parse(tagged_once)["lines"].sort("line_no")["message"][0].startswith("[trainer] ")
+
+
 def test_the_frame_a_log_viewer_draws_is_removed():
     """`│ <message padded to the pane's width> │` on every line: the vLLM header inside is read."""
     text = "".join(f"│ {m}".ljust(90) + "│\n" for m in (

@@ -7,7 +7,13 @@
   what log collectors ship): ``<RFC 3339 time> stdout|stderr P|F message`` (``P`` a partial
   line the runtime split, ``F`` the full or last part). Its time is the node's and goes
   with the message's own header, which keeps the time it printed; the prefix names no
-  container, so it only is stripped.
+  container, so it only is stripped;
+* ``docker logs --timestamps`` (and tools that read a container's raw log stream):
+  ``<RFC 3339 time>Z message``, where a reader that did not demultiplex the stream leaves
+  the residue of Docker's 8-byte frame header before the time (control bytes and the one
+  printable byte of the frame's length: ``B2025-05-23T16:49:12.290114123Z Traceback ...``),
+  and a wrapper may tag each line with its service first (``[trainer] ``). Tag and residue
+  are stripped (the tag is kept in ``node``); the time is then read as the line's header.
 
 Job platforms that stamp every line they collect in CJK brackets (``【2024-12-13 15:37:21】``)
 put the stamp before the process's own prefix (a Ray worker's ``(Actor pid=N)``): it is
@@ -34,6 +40,11 @@ _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
 _STAMPED = r"^(?P<h>【(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)】 ?)"
 _CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
+# an optional service tag and what is left of a stream frame header (control bytes around
+# at most one other character), stripped where the daemon's UTC time follows; the time itself
+# is left to the header that reads a line starting with an ISO 8601 time (headers.py)
+_DOCKER_TS = (r"^(?P<h>(?:\[(?P<svc>[\w.-]+)\] )?[\x00-\x08\x0e-\x1f]*(?:.[\x00-\x08\x0e-\x1f]*)?)"
+              r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z ")
 
 
 # a line drawn inside a box: the left border, the message, its padding, the right border
@@ -52,6 +63,8 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     df = _unframe(df)
     for pattern, node in ((_COMPOSE, g("svc")), (_KUBECTL, g("pod")), (_CRI, pl.lit(None, pl.String))):
         df = strip_prefix_of_most_lines(df, pattern, {"node": coalesce_into("node", node)})
+    # loose (a time and a space): only where at least three lines of the file carry it
+    df = strip_prefix_of_most_lines(df, _DOCKER_TS, {"node": coalesce_into("node", g("svc"))}, min_lines=3)
     if df.select(pl.col("message").str.starts_with("【").any()).item():
         df = strip_prefix_of_most_lines(df, _STAMPED, {"ts": parse_ts(g("ts")), "ts_quality": pl.lit("full")})
     return df, {}
