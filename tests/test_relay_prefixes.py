@@ -43,19 +43,24 @@ def test_compose_prefix_is_stripped_and_names_the_node():
     assert [f["function"] for f in ev["frames"]] == ["init_cuda_graphs"]
 
 
+def _lines_and_traceback(text: str, want: tuple[str, int, int, list[str]]) -> pl.DataFrame:
+    """The lines of ``text`` (by line number), after checking that its one traceback was read
+    behind the prefix: (exception type, first line, exception line, frame functions)."""
+    t = _parse(text)
+    ev = t["fatal_events"].row(0, named=True)
+    assert (ev["exc_type"], ev["line_no"], ev["exc_line"], [f["function"] for f in ev["frames"]]) == want
+    return t["lines"].sort("line_no")
+
+
 def test_cri_log_prefix_is_stripped_and_the_header_behind_it_read():
     """The kubelet's CRI log files: `<RFC 3339 time> stdout|stderr P|F message`."""
     text = ("2025-06-03T11:20:41.102331577+08:00 stdout F [2025-06-03 11:20:41 TP1] Scheduler hit an exception: Traceback (most recent call last):\n"
             "2025-06-03T11:20:41.102337014+08:00 stdout F   File \"/opt/sglang/srt/managers/scheduler.py\", line 901, in event_loop_normal\n"
             "2025-06-03T11:20:41.102339950+08:00 stdout F     result = self.run_batch(batch)\n"
             "2025-06-03T11:20:41.102342116+08:00 stderr F RuntimeError: boom\n")
-    t = _parse(text)
-    lines = t["lines"].sort("line_no")
+    lines = _lines_and_traceback(text, ("RuntimeError", 1, 4, ["event_loop_normal"]))
     assert lines["message"][0].startswith("Scheduler hit an exception")  # SGLang's header was read behind it
     assert lines["header"][0] == "sglang"
-    ev = t["fatal_events"].row(0, named=True)
-    assert ev["exc_type"] == "RuntimeError" and ev["exc_line"] == 4
-    assert [f["function"] for f in ev["frames"]] == ["event_loop_normal"]
 
 
 def test_docker_timestamps_and_a_raw_streams_frame_residue_are_stripped():
@@ -66,14 +71,10 @@ def test_docker_timestamps_and_a_raw_streams_frame_residue_are_stripped():
             "[trainer] o2025-05-23T16:49:12.290129429Z   File \"/app/rl/trainer.py\", line 335, in train\n"
             "[trainer] 12025-05-23T16:49:12.290132874Z     self.step(batch)\n"
             "[trainer] \ufffd2025-05-23T16:49:12.290135653Z ValueError: empty batch\n")
-    t = _parse(text)
-    lines = t["lines"].sort("line_no")
+    lines = _lines_and_traceback(text, ("ValueError", 1, 4, ["train"]))
     assert lines["node"].to_list() == ["trainer"] * 4
     assert lines["message"][0] == "Traceback (most recent call last):" and lines["message"][3] == "ValueError: empty batch"
     assert str(lines["ts"][0]) == "2025-05-23 16:49:12.290114"  # the daemon's time, read behind the residue
-    ev = t["fatal_events"].row(0, named=True)
-    assert ev["exc_type"] == "ValueError" and (ev["line_no"], ev["exc_line"]) == (1, 4)
-    assert [f["function"] for f in ev["frames"]] == ["train"]
     tagged_once = "[trainer] 2025-05-23T16:49:12.290114123Z started\n" + "".join(f"step {i} loss=0.{i}\n" for i in range(5))
     assert _parse(tagged_once)["lines"].sort("line_no")["message"][0].startswith("[trainer] ")
 
