@@ -79,6 +79,22 @@ def test_docker_timestamps_and_a_raw_streams_frame_residue_are_stripped():
     assert _parse(tagged_once)["lines"].sort("line_no")["message"][0].startswith("[trainer] ")
 
 
+def test_skypilot_prefix_names_the_node_not_a_process_or_rank():
+    """SkyPilot's `(worker1, rank=1, pid=N, ip=A) `: the node's rank and the job shell's pid,
+    so only the node is kept; a Ray prefix behind it is read (older releases name the
+    instance first)."""
+    text = ("(head, rank=0, pid=2514) step:11 - actor/pg_loss:0.21\n"
+            "(worker1, rank=1, pid=2466, ip=10.0.0.5) Traceback (most recent call last):\n"
+            "(worker1, rank=1, pid=2466, ip=10.0.0.5)   File \"/app/verl/workers/actor/dp_actor.py\", line 399, in update_policy\n"
+            "(worker1, rank=1, pid=2466, ip=10.0.0.5)     loss.backward()\n"
+            "(worker1, rank=1, pid=2466, ip=10.0.0.5) torch.OutOfMemoryError: CUDA out of memory.\n"
+            "(node-2, head, rank=0, pid=2514) (TaskRunner pid=3011) step:12 - actor/pg_loss:0.20\n")
+    lines = _lines_and_traceback(text, ("torch.OutOfMemoryError", 2, 5, ["update_policy"]))
+    assert lines["node"].to_list() == ["head"] + ["10.0.0.5"] * 4 + ["node-2"]
+    assert lines["rank"].is_null().all() and lines["pid"][:5].is_null().all()
+    assert (lines["actor"][5], lines["pid"][5], lines["message"][5]) == ("TaskRunner", 3011, "step:12 - actor/pg_loss:0.20")
+
+
 def test_the_frame_a_log_viewer_draws_is_removed():
     """`│ <message padded to the pane's width> │` on every line: the vLLM header inside is read."""
     text = "".join(f"│ {m}".ljust(90) + "│\n" for m in (
