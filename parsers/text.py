@@ -44,7 +44,7 @@ LINES = Table(
         col("actor", pa.string(), "Ray actor class / process role (`WorkerDict`, `TaskRunner`, `raylet`, `EngineCore_0`), from the line prefix or the file."),
         col("pid", pa.int64(), "Process id, from the line prefix/header or the file name."),
         col("tid", pa.int64(), "Thread id when the header prints one."),
-        col("node", pa.string(), "Host name or IP of the process that wrote the line, when known (for lines relayed by `docker compose logs`, `kubectl logs --prefix`, pdsh or `srun --label`: the service, pod, host or task the prefix names)."),
+        col("node", pa.string(), "Host name or IP of the process that wrote the line, when known (for lines relayed by `docker compose logs`, `kubectl logs --prefix`, pdsh, `srun --label` or SkyPilot, or tagged with a service name: the service, pod, host, task or node the prefix names)."),
         col("rank", pa.int32(), "Global rank, from a `[rankN]:` prefix, the file path or the header."),
         col("local_rank", pa.int32(), "Local rank from a torchrun `[defaultN]:` tee prefix."),
         col("repeat", pa.int32(), "Ray log deduplication: the line stands for this many (`[repeated Nx across cluster]`)."),
