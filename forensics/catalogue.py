@@ -258,11 +258,13 @@ class Stall:
 class Wait:
     """A run whose logs end while it waits (a line of rule ``rule``, a context rule) with no
     failure, no end and no step logged after the wait began: the wait is the root cause, of
-    class ``becomes``."""
+    class ``becomes``. A line of a ``finished`` rule (rule ids) after the last wait line
+    says the wait ended (the barrier completed) and the run went on."""
 
     rule: str
     becomes: str
     note: str
+    finished: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -653,9 +655,9 @@ def _causality(raw: dict[str, tuple[Any, str]], rule_ids: set[str], classes: set
         elif key == "waits":
             waits = []
             for item in value or []:
-                m = mapping(key, item, {"rule", "becomes", "note"})
+                m = mapping(key, item, {"rule", "becomes", "note"}, {"finished"})
                 waits.append(Wait(names(key, m["rule"], rule_ids, "rule")[0], names(key, m["becomes"], classes, "class")[0],
-                                  str(m["note"])))
+                                  str(m["note"]), names(key, m["finished"], rule_ids, "rule(s)") if m.get("finished") else ()))
             out.waits = tuple(waits)
         elif key == "missing_rank":
             out.missing_rank = tuple(

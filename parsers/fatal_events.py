@@ -147,10 +147,17 @@ _DEBUGGER = re.compile(r"^(?:Exception has occurred|发生异常|例外が発生
 _SIGNAL_WORDS = "Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed"
 _SIGNAL_OF_WORD = {"Segmentation fault": "SIGSEGV", "Bus error": "SIGBUS", "Aborted": "SIGABRT",
                    "Illegal instruction": "SIGILL", "Floating point exception": "SIGFPE", "Killed": "SIGKILL"}
+# the same words from a shell in a Chinese locale (glibc's zh_CN signal names; `(核心已转储)`
+# is `(core dumped)`): a console pasted from such a machine ends in them
+_LOCALISED_SIGNAL_OF_WORD = {"段错误": "SIGSEGV", "总线错误": "SIGBUS", "已放弃": "SIGABRT", "非法指令": "SIGILL",
+                             "浮点数例外": "SIGFPE", "已杀死": "SIGKILL"}
+_SIGNAL_OF_WORD.update(_LOCALISED_SIGNAL_OF_WORD)
+_LOCALISED_SIGNAL_WORDS = "|".join(_LOCALISED_SIGNAL_OF_WORD)
 _EXIT = re.compile(
     r"(?:exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
     r"|^(?P<segv>Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception)(?: \(core dumped\))?\s*$"
     r"|^(?P<killed>Killed)\s*$"
+    r"|^(?P<localised>" + _LOCALISED_SIGNAL_WORDS + r")(?: ?[(（]核心已转储[)）])?\s*$"
     # bash's report of a job a signal ended: `./run.sh: line 12:  1188 Killed   python ...`,
     # interactively `[1]+  Killed   python ...`
     r"|^(?:\S+: line \d+: +\d+ |\[\d+\][+-]? +)(?P<jobsig>" + _SIGNAL_WORDS + r")(?: \(core dumped\))?(?:\s|$)")
@@ -168,6 +175,7 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
            r"exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
            r"^(?:Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed)|"
+           r"^(?:" + _LOCALISED_SIGNAL_WORDS + r")|"
            r"^\S+: line \d+: +\d+ (?:" + _SIGNAL_WORDS + r")|^\[\d+\][+-]? +(?:" + _SIGNAL_WORDS + r")|"
            r"^\s*(?:PC: )?@\s+0x")
 
@@ -737,7 +745,7 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
             # 128 + the signal's number: 137 is SIGKILL, 139 SIGSEGV
             ev.signal = _SIGNAL_OF_SHELL_STATUS.get(ev.exit_code)
         else:
-            ev.signal = _SIGNAL_OF_WORD[x.group("killed") or x.group("segv") or x.group("jobsig")]
+            ev.signal = _SIGNAL_OF_WORD[x.group("killed") or x.group("segv") or x.group("jobsig") or x.group("localised")]
         sig = _SIGNAL_EXIT.search(m)
         if sig:
             ev.signal = sig.group("sig")

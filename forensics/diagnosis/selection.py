@@ -207,6 +207,8 @@ def waited(ctx: Context, hits: list[Hit], facts: RunFacts) -> tuple[Hit, str, st
         if not waiting:
             continue
         first = min(waiting, key=lambda h: (h.ts is None, h.ts or datetime.min, h.path, h.line_no or 0))
+        if w.finished and _wait_ended(waiting, [h for h in hits if h.rule.id in w.finished]):
+            continue
         if first.ts is None:
             progressed = bool(facts.step_times)  # no time to compare: any step logged counts as progress
         else:
@@ -214,6 +216,19 @@ def waited(ctx: Context, hits: list[Hit], facts: RunFacts) -> tuple[Hit, str, st
         if not progressed:
             return first, w.becomes, w.note.format(path=first.path, line=first.line_no)
     return None
+
+
+def _wait_ended(waiting: list[Hit], finished: list[Hit]) -> bool:
+    """A line that says the wait ended comes after the last wait line: by time when both
+    are stamped, else by position in the same file."""
+    last = max(waiting, key=lambda h: (h.ts or datetime.min, h.path, h.line_no or 0))
+    for f in finished:
+        if f.ts is not None and last.ts is not None:
+            if f.ts >= last.ts:
+                return True
+        elif f.path == last.path and (f.line_no or 0) > (last.line_no or 0):
+            return True
+    return False
 
 
 def _explains(f: Event, e: Event, window_s: float) -> bool:

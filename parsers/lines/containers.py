@@ -17,7 +17,11 @@
 
 Job platforms that stamp every line they collect in CJK brackets (``【2024-12-13 15:37:21】``)
 put the stamp before the process's own prefix (a Ray worker's ``(Actor pid=N)``): it is
-taken as the line's time and stripped, so the prefix behind it is read.
+taken as the line's time and stripped, so the prefix behind it is read. Platforms that
+stamp in square brackets (``[2025-05-10 00:18:21] (WorkerDict pid=1230, ip=...) ...``) are
+read the same way where a Ray process prefix follows the stamp; a stamp followed by
+anything else is left to the headers (``[2025-05-10 00:18:21] INFO ...`` is a logger's own
+header).
 
 Log viewers that draw a box around the log (a terminal UI's pane) leave a frame on every
 line they copy: ``│ <message padded to the pane's width> │``. The frame is removed in a
@@ -34,11 +38,15 @@ from __future__ import annotations
 import polars as pl
 
 from ..base import LineFormat
-from .common import coalesce_into, g, on_most_lines, parse_ts, strip_prefix_of_most_lines
+from .common import apply_header, coalesce_into, g, on_most_lines, parse_ts, strip_prefix_of_most_lines
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
 _STAMPED = r"^(?P<h>【(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)】 ?)"
+# the square-bracket stamp (the whole stamp, then the same stamp before a Ray process prefix)
+_SQ_STAMP = r"^\[\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?\] "
+_SQ_STAMPED = (r"^(?P<h>\[(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)\] ?)"
+               r"\((?:[A-Za-z_][\w.<>\-]*(?:\([^()\s]*\))? )?(?:rank=\d+ )?pid=\d+[,)]")
 _CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
 # an optional service tag and what is left of a stream frame header (control bytes around
 # at most one other character), stripped where the daemon's UTC time follows; the time itself
@@ -67,6 +75,13 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
     df = strip_prefix_of_most_lines(df, _DOCKER_TS, {"node": coalesce_into("node", g("svc"))}, min_lines=3)
     if df.select(pl.col("message").str.starts_with("【").any()).item():
         df = strip_prefix_of_most_lines(df, _STAMPED, {"ts": parse_ts(g("ts")), "ts_quality": pl.lit("full")})
+    if df.select(pl.col("message").str.starts_with("[").any()).item():
+        # the platform stamps every line; only those with a Ray process prefix behind the
+        # stamp lose it here
+        msg = pl.col("message")
+        stamped = on_most_lines(msg.str.contains(_SQ_STAMP)) & msg.str.contains(_SQ_STAMPED)
+        df = apply_header(df, _SQ_STAMPED, None, {"ts": parse_ts(g("ts")), "ts_quality": pl.lit("full")},
+                          only_unset=False, prefilter=stamped)
     return df, {}
 
 

@@ -7,6 +7,11 @@
 * JSON Lines: ``{"step": N, "data": {...}}`` (verl's file logger) or flat rows
   ``{"step": N, "actor/pg_loss": ...}`` / wandb exports with ``_step``. Python's json
   writes ``NaN`` / ``Infinity`` literals, which strict JSON parsers refuse.
+* The Hugging Face Trainer's console log (TRL's GRPO/PPO/DPO trainers, ms-swift): each
+  logging step prints the ``logs`` dict, ``{'loss': 0.0, 'grad_norm': nan, ...,
+  'epoch': 0.31}`` (Python's repr: single quotes, bare ``nan`` / ``inf``); it always holds
+  ``epoch``. It prints no step: the records are numbered in the order of the file (or
+  by their ``step`` / ``global_step`` entry where there is one).
 """
 from __future__ import annotations
 
@@ -78,6 +83,50 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
         .filter(pl.col("key").is_not_null() & (pl.col("key") != "step"))
         .with_columns(pl.lit("console").alias("source"))
         .drop("message", "kv")
+    )
+    return df, {"metrics": pairs.with_columns(numeric_values(pairs.get_column("value_text")).alias("value"))}
+
+
+# the Trainer's logs dict at the end of a line (alone, or behind a progress bar the `\r`
+# of tqdm joined to it): it starts with a quoted key, ends with `}` and holds the
+# `'epoch': <number>` entry the Trainer adds to every record
+_TRAINER_LOG = r"(?:^|[\r\s])\{'[^']+': .*'epoch': [-+0-9.eE]+\s*(?:,.*)?\}\s*$"
+_TRAINER_PAIR = r"'([^']+)': ('[^']*'|[^,{}]+)"
+
+
+def annotate_trainer_log(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    msg = df.get_column("message")
+    if not msg.str.contains("{'", literal=True).any():
+        return df, {}
+    hit = msg.str.contains(_TRAINER_LOG)
+    if not hit.any():
+        return df, {}
+    sub = df.filter(hit).select("file_id", "line_no", "ts", "rank", "pid", "actor", "message")
+    # the records of each file in order: the step (a chunk continues the count of the one before)
+    counts = ctx.state.setdefault("trainer_log_records", {})
+    order = []
+    for file_id in sub.get_column("file_id").to_list():
+        counts[file_id] = counts.get(file_id, 0) + 1
+        order.append(counts[file_id])
+    pairs = (
+        sub.with_columns(pl.Series("_n", order, dtype=pl.Int64))
+        .with_columns(pl.col("message").str.extract_all(_TRAINER_PAIR).alias("kv"))
+        .explode("kv")
+        .with_columns(
+            pl.col("kv").str.extract(_TRAINER_PAIR, 1).alias("key"),
+            pl.col("kv").str.extract(_TRAINER_PAIR, 2).str.strip_chars().str.strip_chars("'").alias("value_text"),
+        )
+        .filter(pl.col("key").is_not_null())
+    )
+    own = (pairs.filter(pl.col("key").is_in(["step", "global_step"]))
+           .select("file_id", "line_no", pl.col("value_text").cast(pl.Int64, strict=False).alias("_own"))
+           .unique(subset=["file_id", "line_no"], keep="first"))
+    pairs = (
+        pairs.join(own, on=["file_id", "line_no"], how="left")
+        .with_columns(pl.coalesce("_own", "_n").alias("step"))
+        .filter(~pl.col("key").is_in(["step", "global_step"]))
+        .with_columns(pl.lit("console").alias("source"))
+        .drop("message", "kv", "_n", "_own")
     )
     return df, {"metrics": pairs.with_columns(numeric_values(pairs.get_column("value_text")).alias("value"))}
 
@@ -187,6 +236,7 @@ def _metric_record(h) -> bool:
 
 FORMATS = (
     LineFormat("verl_metrics", 90, annotate, tables=(METRICS,)),  # after the headers: the step line is their message
+    LineFormat("trainer_log_metrics", 91, annotate_trainer_log, tables=(METRICS,)),  # the Trainer's logs dict, after the headers
     LineFormat("verl_metrics_jsonl", 100, annotate_jsonl, tables=(METRICS,)),
     Format("metrics_jsonl", "text", sniff=(
         Sniff(700, _metric_record),
