@@ -7,9 +7,9 @@ format module): a diagnosis of a small database starts without them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
-import functools
 import os
 import signal
 import threading
