@@ -1,7 +1,8 @@
 """torchrun / torch.distributed.elastic output.
 
 * ``--tee`` prefixes ``[default0]:`` (``[<role><local_rank>]:``) on the launcher's console;
-* torch's rank-prefixed stderr ``[rank3]:`` (uncaught exceptions, c10d lines);
+* torch's rank-prefixed stderr ``[rank3]:`` (uncaught exceptions, c10d lines), and PyTorch
+  Lightning's ``[rank: 3] `` before the messages it logs per rank;
 * per-rank log files ``<log_dir>/<run_id>/attempt_<n>/<rank>/stdout.log|stderr.log``
   (the rank comes from the path, see :func:`rank_from_path`);
 * the ``ChildFailedError`` summary box, whose ``Root Cause (first observed failure)``
@@ -36,7 +37,8 @@ CHILD_FAILURES = Table(
 )
 
 _TEE = r"^(?P<h>\[(?P<role>[A-Za-z_]+?)(?P<lr>\d+)\]:)"
-_RANK = r"^(?P<h>\[rank(?P<rank>\d+)\]: ?)"
+# torch's `[rank3]:`; PyTorch Lightning's rank-prefixed messages `[rank: 3] ` (the global rank too)
+_RANK = r"^(?P<h>\[rank(?:: )?(?P<rank>\d+)\](?:: ?| ))"
 _CLIPPED_RANK = r"^(?P<h>rank(?P<rank>\d+)\]: ?)"
 _PATH_RANK = re.compile(r"(?:^|/)attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|json)$")
 
