@@ -154,15 +154,20 @@ _LOCALISED_SIGNAL_OF_WORD = {"段错误": "SIGSEGV", "总线错误": "SIGBUS", "
 _SIGNAL_OF_WORD.update(_LOCALISED_SIGNAL_OF_WORD)
 _LOCALISED_SIGNAL_WORDS = "|".join(_LOCALISED_SIGNAL_OF_WORD)
 _EXIT = re.compile(
-    r"(?:exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+)(?P<code>-?\d+)\b"
+    r"(?:exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)[ :=]+|exitcode\s*[:=]\s*|exit code:?\s+|failed with exit code\s+"
+    r"|exits with return code = )(?P<code>-?\d+)\b"
     r"|^(?P<segv>Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception)(?: \(core dumped\))?\s*$"
     r"|^(?P<killed>Killed)\s*$"
     r"|^(?P<localised>" + _LOCALISED_SIGNAL_WORDS + r")(?: ?[(（]核心已转储[)）])?\s*$"
     # bash's report of a job a signal ended: `./run.sh: line 12:  1188 Killed   python ...`,
     # interactively `[1]+  Killed   python ...`
     r"|^(?:\S+: line \d+: +\d+ |\[\d+\][+-]? +)(?P<jobsig>" + _SIGNAL_WORDS + r")(?: \(core dumped\))?(?:\s|$)")
-_SIGNAL_OF_SHELL_STATUS = {128 + 4: "SIGILL", 128 + 6: "SIGABRT", 128 + 7: "SIGBUS", 128 + 8: "SIGFPE", 128 + 9: "SIGKILL",
-                           128 + 11: "SIGSEGV"}
+_FATAL_SIGNAL_NUMBERS = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL", 11: "SIGSEGV"}
+# a shell (and docker, Kubernetes, an IDE) reports a process a signal ended as 128 + the
+# signal's number (137 is SIGKILL, 139 SIGSEGV); Python's subprocess, and the launchers built
+# on it (DeepSpeed's, torch elastic), as minus the number (-9)
+_SIGNAL_OF_EXIT_CODE = {**{128 + n: s for n, s in _FATAL_SIGNAL_NUMBERS.items()},
+                        **{-n: s for n, s in _FATAL_SIGNAL_NUMBERS.items()}}
 _PROGRESS = re.compile(r"\d+%\|[^|]*\||\d+it/s\]|\[\d+:\d+<")
 _SIGNAL_EXIT = re.compile(r"Signal (?P<num>\d+) \((?P<sig>SIG[A-Z]+)\) received")
 
@@ -173,7 +178,7 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"\s{2,}Traceback \(most recent call last\)\s*$|"
            r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
            r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
-           r"exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|"
+           r"exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|exits with return code|"
            r"^(?:Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed)|"
            r"^(?:" + _LOCALISED_SIGNAL_WORDS + r")|"
            r"^\S+: line \d+: +\d+ (?:" + _SIGNAL_WORDS + r")|^\[\d+\][+-]? +(?:" + _SIGNAL_WORDS + r")|"
@@ -741,9 +746,7 @@ def _segment(st: _Stream, k: int, fatal: list[bool]) -> tuple[_Event | None, int
         ev.exc_row = row
         if code is not None:
             ev.exit_code = int(code)
-            # a shell (and docker, Kubernetes, an IDE) reports a process a signal ended as
-            # 128 + the signal's number: 137 is SIGKILL, 139 SIGSEGV
-            ev.signal = _SIGNAL_OF_SHELL_STATUS.get(ev.exit_code)
+            ev.signal = _SIGNAL_OF_EXIT_CODE.get(ev.exit_code)
         else:
             ev.signal = _SIGNAL_OF_WORD[x.group("killed") or x.group("segv") or x.group("jobsig") or x.group("localised")]
         sig = _SIGNAL_EXIT.search(m)

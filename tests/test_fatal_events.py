@@ -319,6 +319,17 @@ def test_an_exit_status_above_128_is_the_signal_that_ended_the_process():
         (137, "SIGKILL", "SIGKILL"), (139, "SIGSEGV", "SIGSEGV"), (130, None, "exit 130")]
 
 
+def test_a_launchers_negative_return_code_is_the_signal():
+    # DeepSpeed's launcher (Python's subprocess: minus the signal's number) and torch elastic
+    _, ev = _parse('''
+        [2025-03-02 10:04:13,002] [ERROR] [launch.py:325:sigkill_handler] ['/usr/bin/python', '-u', 'train.py', '--local_rank=1'] exits with return code = -9
+        [2025-03-02 10:04:13,010] [ERROR] [launch.py:325:sigkill_handler] ['/usr/bin/python', '-u', 'train.py', '--local_rank=0'] exits with return code = 1
+        E0302 10:04:14.000000 4300 torch/distributed/elastic/multiprocessing/api.py:869] failed (exitcode: -11) local_rank: 0 (pid: 4315) of binary: /usr/bin/python3
+        [2025-03-02 10:04:15,000] [INFO] [launch.py:351:main] Process 4413 exits with return code = 0
+        ''')
+    assert [(r["exit_code"], r["signal"]) for r in ev.iter_rows(named=True)] == [(-9, "SIGKILL"), (1, None), (-11, "SIGSEGV")]
+
+
 def test_a_shell_reports_the_signal_that_ended_a_job():
     _, ev = _parse('''
         step:2 - actor/pg_loss:0.19
