@@ -67,3 +67,13 @@ def test_syslog_stamp_with_the_month_of_a_cjk_locale():
     assert lines["node"].to_list() == ["gpu-a", "gpu-a"]
     assert [t.strftime("%m-%d %H:%M:%S") for t in lines["ts"]] == ["06-10 16:45:05", "06-10 16:45:06"]
     assert lines["message"][1].startswith('  File "/opt/app/run.py"')
+
+
+def test_a_bracketed_level_and_logger_without_a_time():
+    """ms-swift's / ModelScope's `[LEVEL:logger] msg`: level and logger; a bracket that is
+    not a level (a list, a tag) is left in the message."""
+    text = "[INFO:swift] Start time of running main\n[WARNING:swift] rank 3 exited\n[INFO:a b] no\n[0, 1] a list\n"
+    ctx = FileContext(file_id=1, path="swift.log", size=len(text.encode()), fmt="text")
+    rows = dict(parse_text(io.BytesIO(text.encode()), ctx))["lines"].sort("line_no").select("level", "logger", "message").rows()
+    assert rows == [("INFO", "swift", "Start time of running main"), ("WARNING", "swift", "rank 3 exited"),
+                    (None, None, "[INFO:a b] no"), (None, None, "[0, 1] a list")]

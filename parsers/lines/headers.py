@@ -8,6 +8,8 @@ Python ``logging`` in its common shapes and other ISO-stamped lines:
   ``[filename:lineno]`` after the level)
 * ``[2025-03-14 10:00:00,123] [INFO] [config.py:1003:print] msg`` (DeepSpeed)
 * ``2025-03-14T10:02:11.345Z msg``, ``2025-03-14T18:02:11+08:00 msg``, ``[2025-03-14 10:02:11] msg``
+* without a time: ``[INFO:swift] msg`` (ms-swift's and ModelScope's logger format,
+  ``[%(levelname)s:%(name)s]``): the level and the logger only
 
 The timestamp (moved to UTC when it carries an offset), the level and the logger name
 or ``file:line`` are taken when present; the rest is the message.
@@ -58,5 +60,17 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     return df, {}
 
 
+_BRACKETED = r"^(?P<h>\[(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL):(?P<name>[\w.-]+)\] ?)"
+
+
+def annotate_bracketed(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    """``[LEVEL:logger] msg`` on the lines no other header claimed."""
+    starts = pl.col("message").str.starts_with("[")
+    if not df.select(starts.any()).item():
+        return df, {}
+    df = apply_header(df, _BRACKETED, "pylog", {"level": normalise_level(g("level")), "logger": g("name")}, prefilter=starts)
+    return df, {}
+
+
 # After the specific formats: a stamp they recognised is theirs (only unclaimed lines are read here).
-FORMATS = (LineFormat("headers", 80, annotate),)
+FORMATS = (LineFormat("headers", 80, annotate), LineFormat("headers_bracketed", 81, annotate_bracketed))
