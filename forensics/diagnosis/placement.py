@@ -27,7 +27,8 @@ def keyed_rows(ctx: Context, name: str, keys, column: str, sql: str) -> list[tup
 
 def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
     # a line just after a traceback (an exception message continued on indented lines)
-    # belongs to it
+    # belongs to it, when the same process printed both (not a raylet's or another
+    # worker's line that a console interleaved after it)
     loose = [(h.file_id, h.line_no) for h in hits if h.event_line is None and h.line_no]
     if loose:
         prev = keyed_rows(ctx, "_diag_loose", loose, "line_no",
@@ -35,7 +36,10 @@ def attach_bodies(ctx: Context, hits: list[Hit]) -> None:
                           """SELECT n.file_id, n.line_no, max(l.event_line)
                              FROM (SELECT file_id, line_no, unnest(range(line_no - 3, line_no)) AS prev FROM _diag_loose) n
                              JOIN lines l ON l.file_id = n.file_id AND l.line_no = n.prev
-                             WHERE l.event_line IS NOT NULL GROUP BY n.file_id, n.line_no""")
+                             JOIN lines me ON me.file_id = n.file_id AND me.line_no = n.line_no
+                             WHERE l.event_line IS NOT NULL AND l.pid IS NOT DISTINCT FROM me.pid
+                               AND l.actor IS NOT DISTINCT FROM me.actor
+                             GROUP BY n.file_id, n.line_no""")
         near = {(a, b): c for a, b, c in prev}
         for h in hits:
             if h.event_line is None and (h.file_id, h.line_no) in near:
