@@ -227,7 +227,7 @@ def test_colour_codes_that_lost_their_escape_byte_are_part_of_the_prefix():
 
 def test_lightnings_rank_prefix_gives_the_rank():
     # PyTorch Lightning's rank-prefixed messages (`[rank: N] `), beside torch's own `[rankN]:`
-    text = "[rank: 0] Seed set to 42\n[rank: 3] Seed set to 42\n[rank3]:[W401 10:00:00.000000000 socket.cpp:752] c10d warning\n[rank 3] is not a prefix\n"
+    text = "[rank: 0] Seed set to 42\n[rank: 3] Seed set to 42\n[rank3]:[W401 10:00:00.000000000 socket.cpp:752] c10d warning\n[rank 3] is not a prefix\n[rank3] nor this\n"
     lines = _parse(text)["lines"].sort("line_no")
     assert lines["rank"].to_list()[:3] == [0, 3, 3] and lines["message"][:2].to_list() == ["Seed set to 42"] * 2
-    assert lines["rank"][3] is None and lines["message"][3] == "[rank 3] is not a prefix"
+    assert lines["rank"][3:].to_list() == [None, None] and lines["message"][3:].to_list() == ["[rank 3] is not a prefix", "[rank3] nor this"]

@@ -38,7 +38,7 @@ CHILD_FAILURES = Table(
 
 _TEE = r"^(?P<h>\[(?P<role>[A-Za-z_]+?)(?P<lr>\d+)\]:)"
 # torch's `[rank3]:`; PyTorch Lightning's rank-prefixed messages `[rank: 3] ` (the global rank too)
-_RANK = r"^(?P<h>\[rank(?:: )?(?P<rank>\d+)\](?:: ?| ))"
+_RANK = r"^(?P<h>\[rank(?:(?P<rank>\d+)\]: ?|: (?P<lrank>\d+)\] ))"
 _CLIPPED_RANK = r"^(?P<h>rank(?P<rank>\d+)\]: ?)"
 _PATH_RANK = re.compile(r"(?:^|/)attempt_\d+/(\d+)/(?:stdout|stderr|error)\.(?:log|json)$")
 
@@ -53,7 +53,7 @@ def annotate(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
     starts = pl.col("message").str.starts_with("[")
     df = apply_header(df, _TEE, None, {"local_rank": g("lr").cast(pl.Int32)}, only_unset=False,
                       prefilter=starts & ~pl.col("message").str.contains(r"^\[rank\d+\]:"))
-    df = apply_header(df, _RANK, None, {"rank": g("rank").cast(pl.Int32)}, only_unset=False,
+    df = apply_header(df, _RANK, None, {"rank": pl.coalesce(g("rank"), g("lrank")).cast(pl.Int32)}, only_unset=False,
                       prefilter=pl.col("message").str.starts_with("[rank"))
     # a paste that starts inside a prefix: its first line lost the `[` (`rank2]: TypeError ...`)
     df = apply_header(df, _CLIPPED_RANK, None, {"rank": g("rank").cast(pl.Int32)}, only_unset=False,
