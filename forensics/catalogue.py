@@ -556,15 +556,11 @@ def _load_files(files: list[tuple[Path, list[Path]]]) -> Catalogue:
                 _compile(pat, f"{f}: rank_actors")
                 rank_actors.append(pat)
             for pat in doc.get("relayed_ranks") or []:
-                if "(?P<ranks>" not in pat:
-                    raise SignatureError(f"{f}: relayed_ranks: a pattern needs the group (?P<ranks>...)")
-                _compile(pat, f"{f}: relayed_ranks")
+                _compile_with_group(pat, "ranks", f"{f}: relayed_ranks")
                 relayed.append(pat)
             for engine, pats in (doc.get("engine_args") or {}).items():
                 for pat in _as_list(pats, f"{f}: engine_args.{engine}", "patterns"):
-                    if "(?P<args>" not in pat:
-                        raise SignatureError(f"{f}: engine_args.{engine}: a pattern needs the group (?P<args>...)")
-                    _compile(pat, f"{f}: engine_args.{engine}")
+                    _compile_with_group(pat, "args", f"{f}: engine_args.{engine}")
                     engine_args.setdefault(str(engine), []).append(pat)
             for item in doc.get("config_overrides") or []:
                 o = _override(item, f"{f}: config_overrides")
@@ -843,6 +839,13 @@ def _compile(pattern: str, where: str) -> re.Pattern:
         return re.compile(pattern)
     except re.error as exc:
         raise SignatureError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
+
+
+def _compile_with_group(pattern: str, group: str, where: str) -> re.Pattern:
+    """:func:`_compile` of a pattern whose named group ``group`` the diagnosis reads."""
+    if f"(?P<{group}>" not in pattern:
+        raise SignatureError(f"{where}: a pattern needs the group (?P<{group}>...)")
+    return _compile(pattern, where)
 
 
 # -- keyword derivation ---------------------------------------------------------------

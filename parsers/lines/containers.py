@@ -42,17 +42,19 @@ from .common import apply_header, coalesce_into, g, on_most_lines, parse_ts, str
 
 _COMPOSE = r"^(?P<h>(?P<svc>[A-Za-z0-9][\w.-]*?[-_]\d+) +\| ?)"
 _KUBECTL = r"^(?P<h>\[pod/(?P<pod>[\w.-]+)/(?P<container>[\w.-]+)\] )"
-_STAMPED = r"^(?P<h>【(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)】 ?)"
+# a platform's stamp (date, time, an optional fraction) and an RFC 3339 time up to its zone
+_STAMP_TIME = r"\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?"
+_RFC3339_TIME = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?"
+_STAMPED = r"^(?P<h>【(?P<ts>" + _STAMP_TIME + r")】 ?)"
 # the square-bracket stamp (the whole stamp, then the same stamp before a Ray process prefix)
-_SQ_STAMP = r"^\[\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?\] "
-_SQ_STAMPED = (r"^(?P<h>\[(?P<ts>\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}:\d{2}(?:[.,]\d{1,9})?)\] ?)"
+_SQ_STAMP = r"^\[" + _STAMP_TIME + r"\] "
+_SQ_STAMPED = (r"^(?P<h>\[(?P<ts>" + _STAMP_TIME + r")\] ?)"
                r"\((?:[A-Za-z_][\w.<>\-]*(?:\([^()\s]*\))? )?(?:rank=\d+ )?pid=\d+[,)]")
-_CRI = r"^(?P<h>\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
+_CRI = r"^(?P<h>" + _RFC3339_TIME + r"(?:Z|[+-]\d{2}:\d{2}) (?:stdout|stderr) [PF] )"
 # an optional service tag and what is left of a stream frame header (control bytes around
 # at most one other character), stripped where the daemon's UTC time follows; the time itself
 # is left to the header that reads a line starting with an ISO 8601 time (headers.py)
-_DOCKER_TS = (r"^(?P<h>(?:\[(?P<svc>[\w.-]+)\] )?[\x00-\x08\x0e-\x1f]*(?:.[\x00-\x08\x0e-\x1f]*)?)"
-              r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?Z ")
+_DOCKER_TS = r"^(?P<h>(?:\[(?P<svc>[\w.-]+)\] )?[\x00-\x08\x0e-\x1f]*(?:.[\x00-\x08\x0e-\x1f]*)?)" + _RFC3339_TIME + "Z "
 
 
 # a line drawn inside a box: the left border, the message, its padding, the right border
