@@ -876,6 +876,44 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
 _RAY_PREFIX = r"^(?:\x1b\[[0-9;]*m)*\((?:[^()\s]+ )?pid=\d+"
 
 
+# A paste whose every line break was doubled (CR LF turned into two line feeds on the way, or a
+# web page copied with a blank line after each line) has a blank line after (almost) every
+# line: the blanks that only space the lines are not part of the log's records, so a
+# traceback must not end at them. A file is read so when it has at least this many non-blank
+# lines and this share of them (the file's last line aside) has a blank line right after.
+SPACED_MIN_LINES = 4
+SPACED_MIN_SHARE = 0.9
+
+
+def spacer_lines(df: pl.DataFrame) -> pl.Series:
+    """For each row of a lines frame (``file_id``, ``message``; each file's rows in line
+    order): whether it is a blank line that only spaces a double-spaced paste (see
+    SPACED_MIN_SHARE). In a run of k blank lines there, the first ceil(k/2) are spacers and the
+    rest stand for the blank lines of the log as written (one blank line shows as three)."""
+    blank = df.get_column("message").fill_null("").str.strip_chars() == ""
+    none = pl.Series("spacer", [False] * df.height, dtype=pl.Boolean)
+    if not blank.any() or blank.all():
+        return none
+    f = df.select(pl.col("file_id"), blank.alias("_b"))
+    nxt_blank = pl.col("_b").shift(-1).over("file_id")
+    is_last = pl.int_range(pl.len()).over("file_id") == pl.len().over("file_id") - 1
+    per_file = f.with_columns(nxt_blank.alias("_nb"), is_last.alias("_last")).group_by("file_id").agg(
+        (~pl.col("_b") & ~pl.col("_last")).sum().alias("_n"),
+        (~pl.col("_b") & ~pl.col("_last") & pl.col("_nb").fill_null(False)).sum().alias("_spaced"))
+    spaced = per_file.filter((pl.col("_n") >= SPACED_MIN_LINES) & (pl.col("_spaced") >= SPACED_MIN_SHARE * pl.col("_n")))
+    if spaced.is_empty():
+        return none
+    run = (~pl.col("_b")).cum_sum().over("file_id")  # blank runs: the rows after the same non-blank line
+    pos = pl.int_range(pl.len()).over("file_id", run)
+    size = pl.len().over("file_id", run)
+    out = f.with_columns(run.alias("_run")).with_columns(
+        (pl.col("_b") & pl.col("file_id").is_in(spaced.get_column("file_id").implode())
+         # the run's non-blank head is row 0 of its group (but not before a file's first line)
+         & ((pos - pl.col("_run").gt(0).cast(pl.Int64)) < ((size - pl.col("_run").gt(0).cast(pl.Int64) + 1) // 2)))
+        .alias("spacer"))
+    return out.get_column("spacer")
+
+
 def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
     """The fatal events of a lines frame (``file_id``, ``line_no``, ``message``, ``text``, ``level``,
     ``header``, ``pid``, ``rank``, ``actor``, ``node``, ``ts`` columns; rows of one file in line
@@ -903,6 +941,9 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
         pl.when(prefixed).then(pl.col("actor")).fill_null(""),
     ).alias("_k")).to_series()
     keyed = pl.DataFrame({"_k": key, "_i": pl.int_range(n, eager=True, dtype=pl.Int64), "_s": start})
+    spacer = spacer_lines(df)
+    if spacer.any():  # a double-spaced paste's spacing blanks are left out of its streams
+        keyed = keyed.filter(~spacer)
     with_start = keyed.filter(pl.col("_s")).get_column("_k").unique()
     # only the streams that hold a start are read in Python (a quarter of the corpus' lines):
     # their rows are numbered 0.. in ``sub``, and ``where`` maps them back to the frame's
@@ -949,6 +990,27 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
             rows.append(row)
             k = max(ev.last + 1, k0 + 1)
             p += 1
+    if spacer.any():  # a spacer between two lines of one event belongs to it
+        _fill_spacers(spacer.to_list(), df.get_column("file_id").to_list(), event_line, event_level)
     events = pl.DataFrame(rows, schema=FATAL_EVENTS.polars_schema) if rows else FATAL_EVENTS.empty()
     return (pl.Series("event_line", event_line, dtype=pl.Int64), pl.Series("event_level", event_level, dtype=pl.String),
             events)
+
+
+def _fill_spacers(spacer: list[bool], file_ids: list, event_line: list, event_level: list) -> None:
+    """Give a spacer line (:func:`spacer_lines`) the event of the lines on both sides of it,
+    when they belong to the same one."""
+    n = len(spacer)
+    i = 0
+    while i < n:
+        if not spacer[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and spacer[j] and file_ids[j] == file_ids[i]:
+            j += 1
+        if i > 0 and j < n and file_ids[i - 1] == file_ids[i] == file_ids[j] \
+                and event_line[i - 1] is not None and event_line[i - 1] == event_line[j]:
+            for k in range(i, j):
+                event_line[k], event_level[k] = event_line[j], event_level[j]
+        i = j

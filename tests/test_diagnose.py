@@ -306,3 +306,42 @@ def test_node_of_a_pid_breaks_ties_by_name(tmp_path):
         assert dg.RunFacts(con, cat).pid_node[4242] == "10.0.0.1"
     finally:
         con.close()
+
+
+def _crlf(text: str) -> str:
+    return text.replace("\n", "\r\n")
+
+
+def _double_spaced(text: str) -> str:
+    return "\n\n".join(text.split("\n"))
+
+
+@pytest.mark.parametrize("name,how", [
+    ("diag_wrapped_watchdog_paste", _crlf),  # a hard-wrapped paste saved with Windows line ends
+    ("diag_capture_segfault", _double_spaced),
+    ("diag_watchdog_rank_in_what", _double_spaced),
+    ("diag_engine_utility_call_failed", _double_spaced),
+    ("diag_healthy_scary_warnings", _double_spaced),  # a traceback logged by a warning stays handled
+    ("diag_healthy_exception_ignored", _double_spaced),
+])
+def test_the_same_answer_whatever_the_paste_did_to_line_ends(diagnosed, tmp_path, name, how):
+    """A paste keeps its meaning when its line ends were changed on the way: CR LF kept, or
+    every line break doubled. The root cause, its rank and its evidence line (counted in the
+    pasted file) are the diagnosis of the original."""
+    _, d, want = diagnosed[name]
+    bundle = tmp_path / name
+    shutil.copytree(FIXTURES / name, bundle)
+    for f in bundle.iterdir():
+        if f.name != "expected.json":
+            f.write_bytes(how(f.read_text()).encode())
+    db = tmp_path / "p.duckdb"
+    pipeline.ingest([str(bundle)], str(db), workers=1, exclude=["expected.json"])
+    got = dg.diagnose(db)
+    assert got.verdict == d.verdict, dg.render(got)
+    if not d.root_causes:
+        assert not got.root_causes, dg.render(got)
+        return
+    a, b = d.root_causes[0], got.root_causes[0]
+    assert (b.id, b.rank) == (a.id, a.rank), dg.render(got)
+    line = a.evidence[0].line if how is _crlf else 2 * a.evidence[0].line - 1
+    assert (b.evidence[0].file, b.evidence[0].line) == (a.evidence[0].file, line), dg.render(got)

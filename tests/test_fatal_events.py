@@ -531,3 +531,46 @@ def test_ipython_traceback_layout():
         ''')
     assert (e["exc_type"], e["line_no"], e["exc_line"], e["package"]) == ("ValueError", 2, 12, "torch")
     assert e["frames"][-1]["function"] == "__init__" and e["frames"][-1]["code"].startswith("raise ValueError")
+
+
+_TRACEBACK_AFTER_RECORD = '''\
+2025-06-02 11:04:51,017 INFO trainer.py:88 - step 41 started
+Traceback (most recent call last):
+  File "/opt/rl/train.py", line 212, in <module>
+    main()
+  File "/opt/rl/train.py", line 190, in main
+    loss = step(batch)
+KeyError: 'advantages'
+
+2025-06-02 11:04:52,300 INFO trainer.py:99 - shutting down
+'''
+
+
+def _double_spaced(text: str) -> str:
+    return "\n\n".join(text.split("\n"))
+
+
+def test_double_spaced_paste_reads_as_the_log_it_was():
+    """A paste with a blank line after every line (its CR LF line ends turned into two line
+    feeds) holds the same event as the log: the spacing blanks neither end the traceback nor
+    stand between a record and the traceback it logged, and the spacers inside the event
+    belong to it. The log's own blank line (three blanks in the paste) still ends it."""
+    _, plain = _parse(_TRACEBACK_AFTER_RECORD)
+    lines, spaced = _parse(_double_spaced(_TRACEBACK_AFTER_RECORD))
+    assert spaced.height == plain.height == 1
+    a, b = plain.row(0, named=True), spaced.row(0, named=True)
+    assert (b["exc_type"], b["message"], [f["function"] for f in b["frames"]]) == \
+        (a["exc_type"], a["message"], [f["function"] for f in a["frames"]]) == ("KeyError", "'advantages'", ["<module>", "main"])
+    ev = dict(zip(lines.get_column("line_no").to_list(), lines.get_column("event_line").to_list()))
+    first = b["line_no"]
+    assert first == 3 and all(ev[k] == first for k in range(3, 14)), ev  # Traceback .. KeyError, spacers too
+    assert ev[14] is None and ev[17] is None  # the log's blank line and the next record
+
+
+def test_blank_lines_of_a_normal_log_are_not_spacers():
+    from forensics.parsers.fatal_events import spacer_lines
+    df = pl.DataFrame({"file_id": [1] * 6 + [2] * 11,
+                       "message": ["a", "", "b", "c", "", "d",  # file 1: blank lines between some records only
+                                   # file 2: double-spaced, with one blank line of its own (three in a row)
+                                   "", "w", "", "x", "", "y", "", "", "", "z", ""]})
+    assert spacer_lines(df).to_list() == [False] * 6 + [True, False, True, False, True, False, True, True, False, False, True]

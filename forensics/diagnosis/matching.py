@@ -66,6 +66,7 @@ def _rule_sql(idx: int, r: Rule) -> str:
 # narrow console): no line is longer than W and many are exactly W long. Such a line, unless
 # it ends in padding, continues on the next one. Only files of up to WRAP_MAX_LINES lines
 # are examined (pastes; a real log is not wrapped, and this saves scanning big files).
+# A trailing \r (a paste saved with Windows line ends) is not part of a line's width.
 WRAP_MIN_WIDTH = 60
 WRAP_MIN_SHARE = 0.3
 WRAP_MAX_LINES = 20_000
@@ -79,17 +80,17 @@ def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
             WITH small AS (SELECT file_id FROM files WHERE kind = 'text' AND lines <= {WRAP_MAX_LINES}),
             -- the widths first (cheap, computed once); the text only of the lines of full width
             -- in the files with enough of them; the words and neighbours only of the few wrapped files
-            len AS MATERIALIZED (SELECT l.file_id, length(l.text) AS n FROM lines l SEMI JOIN small USING (file_id)),
+            len AS MATERIALIZED (SELECT l.file_id, length(rtrim(l.text, chr(13))) AS n FROM lines l SEMI JOIN small USING (file_id)),
             widest AS (SELECT file_id, max(n) AS w, count(*) AS c FROM len GROUP BY file_id HAVING max(n) >= {WRAP_MIN_WIDTH}),
             full_width AS (SELECT file_id, widest.w FROM widest JOIN len USING (file_id) WHERE len.n = widest.w
                            GROUP BY file_id, widest.w, widest.c HAVING count(*) >= greatest(3, {WRAP_MIN_SHARE} * widest.c)),
-            width AS (SELECT file_id, full_width.w FROM full_width JOIN lines l USING (file_id) WHERE length(l.text) = full_width.w
+            width AS (SELECT file_id, full_width.w FROM full_width JOIN lines l USING (file_id) WHERE length(rtrim(l.text, chr(13))) = full_width.w
                       GROUP BY file_id, full_width.w HAVING count(DISTINCT l.text) >= 3),
-            prev AS (SELECT l.file_id, l.line_no, l.message, l.text, l.header, length(l.text) AS n, width.w,
-                            regexp_extract(l.text, '^\\W*\\w+') AS first_word,
-                            lag(length(l.text)) OVER w0 AS prev_n, lag(l.text) OVER w0 AS prev_text,
-                            lag(regexp_extract(l.text, '^\\W*\\w+')) OVER w0 AS prev_word
-                     FROM lines l JOIN width USING (file_id)
+            prev AS (SELECT l.file_id, l.line_no, l.message, t.text, l.header, length(t.text) AS n, width.w,
+                            regexp_extract(t.text, '^\\W*\\w+') AS first_word,
+                            lag(length(t.text)) OVER w0 AS prev_n, lag(t.text) OVER w0 AS prev_text,
+                            lag(regexp_extract(t.text, '^\\W*\\w+')) OVER w0 AS prev_word
+                     FROM lines l JOIN width USING (file_id), LATERAL (SELECT rtrim(l.text, chr(13)) AS text) t
                      WINDOW w0 AS (PARTITION BY l.file_id ORDER BY l.line_no)),
             -- a full-width line continues on the next one unless it ends in padding, or the next
             -- line starts a record of its own (a header, or the first word the full line starts with)
