@@ -38,6 +38,7 @@ import polars as pl
 import pyarrow as pa
 
 from .base import FILE_ID, Table, col
+from .conventions import WRAP_MAX_LINES, WRAP_MIN_SHARE, WRAP_MIN_WIDTH
 
 FRAME_TYPE = pa.struct([
     pa.field("part", pa.int32()),
@@ -914,6 +915,40 @@ def spacer_lines(df: pl.DataFrame) -> pl.Series:
     return out.get_column("spacer")
 
 
+# A hard-wrapped paste (its shape: parsers/conventions.py): a line exactly as wide as the
+# file, unless it ends in padding or the next one starts a record of its own, goes on in the
+# next physical line. The diagnosis reads the same shape (forensics/diagnosis/matching.py).
+
+
+def wrapped_continuations(df: pl.DataFrame) -> pl.Series:
+    """For each row of a lines frame (``file_id``, ``text``, ``header``; each file's rows in
+    line order): whether it continues the line above it in a hard-wrapped file (see
+    WRAP_MIN_WIDTH): the line above is exactly the file's width W and does not end in
+    whitespace, and this one has no header of its own and does not start with the word the
+    line above starts with. A trailing \\r (Windows line ends) is not part of the width."""
+    none = pl.Series("cont", [False] * df.height, dtype=pl.Boolean)
+    text = pl.col("text").fill_null("").str.strip_suffix("\r")
+    f = df.select(pl.col("file_id"), text.alias("_t"), pl.col("header"))
+    f = f.with_columns(pl.col("_t").str.len_chars().alias("_n"))
+    per_file = f.group_by("file_id").agg(
+        pl.col("_n").max().alias("_w"), pl.len().alias("_c"),
+        ((pl.col("_n") == pl.col("_n").max()).sum()).alias("_full"),
+        pl.col("_t").filter(pl.col("_n") == pl.col("_n").max()).n_unique().alias("_distinct"))
+    wrapped = per_file.filter((pl.col("_w") >= WRAP_MIN_WIDTH) & (pl.col("_c") <= WRAP_MAX_LINES)
+                              & (pl.col("_full") >= pl.max_horizontal(pl.lit(3), WRAP_MIN_SHARE * pl.col("_c")))
+                              & (pl.col("_distinct") >= 3)).select("file_id", "_w")
+    if wrapped.is_empty():
+        return none
+    word = pl.col("_t").str.extract(r"^\W*\w+", 0)
+    out = f.join(wrapped, on="file_id", how="left", maintain_order="left").with_columns(
+        (pl.col("_w").is_not_null()
+         & (pl.col("_n").shift(1).over("file_id") == pl.col("_w"))
+         & ~pl.col("_t").shift(1).over("file_id").str.contains(r"\s$")
+         & pl.col("header").is_null()
+         & word.ne_missing(word.shift(1).over("file_id"))).fill_null(False).alias("cont"))
+    return out.get_column("cont")
+
+
 def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
     """The fatal events of a lines frame (``file_id``, ``line_no``, ``message``, ``text``, ``level``,
     ``header``, ``pid``, ``rank``, ``actor``, ``node``, ``ts`` columns; rows of one file in line
@@ -944,6 +979,12 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
     spacer = spacer_lines(df)
     if spacer.any():  # a double-spaced paste's spacing blanks are left out of its streams
         keyed = keyed.filter(~spacer)
+    cont = wrapped_continuations(df)
+    if cont.any():
+        # a hard-wrapped paste: each cut line is read whole, at its first physical line
+        msg = _join_continuations(msg, cont)
+        start = (msg.str.contains(_STARTS) | fatal_level) & ~cont
+        keyed = keyed.with_columns(_s=start.gather(keyed.get_column("_i"))).filter(~cont.gather(keyed.get_column("_i")))
     with_start = keyed.filter(pl.col("_s")).get_column("_k").unique()
     # only the streams that hold a start are read in Python (a quarter of the corpus' lines):
     # their rows are numbered 0.. in ``sub``, and ``where`` maps them back to the frame's
@@ -990,6 +1031,10 @@ def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
             rows.append(row)
             k = max(ev.last + 1, k0 + 1)
             p += 1
+    if cont.any():  # the rest of a cut line belongs to the event of its first part
+        for i, c in enumerate(cont.to_list()):
+            if c and i > 0:
+                event_line[i], event_level[i] = event_line[i - 1], event_level[i - 1]
     if spacer.any():  # a spacer between two lines of one event belongs to it
         _fill_spacers(spacer.to_list(), df.get_column("file_id").to_list(), event_line, event_level)
     events = pl.DataFrame(rows, schema=FATAL_EVENTS.polars_schema) if rows else FATAL_EVENTS.empty()
@@ -1014,3 +1059,16 @@ def _fill_spacers(spacer: list[bool], file_ids: list, event_line: list, event_le
             for k in range(i, j):
                 event_line[k], event_level[k] = event_line[j], event_level[j]
         i = j
+
+
+def _join_continuations(msg: pl.Series, cont: pl.Series) -> pl.Series:
+    """``msg`` with each line's continuations (:func:`wrapped_continuations`) appended to it."""
+    out = msg.to_list()
+    flags = cont.to_list()
+    head = None
+    for i, c in enumerate(flags):
+        if c and head is not None:
+            out[head] += out[i]
+        elif not c:
+            head = i
+    return pl.Series(msg.name, out, dtype=pl.String)

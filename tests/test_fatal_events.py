@@ -574,3 +574,48 @@ def test_blank_lines_of_a_normal_log_are_not_spacers():
                                    # file 2: double-spaced, with one blank line of its own (three in a row)
                                    "", "w", "", "x", "", "y", "", "", "", "z", ""]})
     assert spacer_lines(df).to_list() == [False] * 6 + [True, False, True, False, True, False, True, True, False, False, True]
+
+
+_CUT_TRACEBACK = '''\
+(TaskRunner pid=4411) step 12 started, generating 512 sequences with 8 samples per prompt
+Traceback (most recent call last):
+  File "/opt/conda/lib/python3.10/site-packages/vllm/worker/model_runner.py", line 1544, in capture_model
+    graph_runner.capture(**capture_inputs)
+  File "/opt/conda/lib/python3.10/site-packages/torch/cuda/graphs.py", line 77, in capture_begin
+    super().capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+RuntimeError: CUDA error: operation not permitted when stream is capturing (cudaErrorStreamCaptureUnsupported)
+'''
+
+
+def _hard_wrapped(text: str, width: int) -> str:
+    out = []
+    for line in text.split("\n"):
+        while len(line) > width:
+            out.append(line[:width])
+            line = line[width:]
+        out.append(line)
+    return "\n".join(out)
+
+
+def test_hard_wrapped_paste_reads_each_cut_line_whole():
+    """A paste that a terminal cut at a fixed width (here 72 columns): a frame line or the
+    exception line cut in two is read whole, so the event has the frames and the message of
+    the unwrapped log; the rest of a cut line belongs to the event."""
+    _, plain = _parse(_CUT_TRACEBACK)
+    lines, cut = _parse(_hard_wrapped(_CUT_TRACEBACK, 72))
+    a, b = plain.row(0, named=True), cut.row(0, named=True)
+    assert [f["function"] for f in b["frames"]] == [f["function"] for f in a["frames"]] == ["capture_model", "capture_begin"]
+    assert (b["exc_type"], b["message"]) == (a["exc_type"], a["message"])
+    assert a["message"].endswith("(cudaErrorStreamCaptureUnsupported)")
+    ev = lines.filter(pl.col("event_line").is_not_null())
+    assert ev.get_column("line_no").to_list() == list(range(b["line_no"], lines.height + 1))  # to the last piece
+
+
+def test_wrapped_continuations_need_a_wrapped_file():
+    from forensics.parsers.fatal_events import wrapped_continuations
+    w = "x" * 70
+    df = pl.DataFrame({"file_id": [1] * 6 + [2] * 4,
+                       "text": [w[:-3] + "abc", "def", w[:-3] + "ghi", "jkl", w[:-3] + "mn ", "opq",  # cut at 70, one in padding
+                                w + "y" * 10, "short", "a" * 70, "b"],  # file 2: only one line of the widest width
+                       "header": [None] * 10})
+    assert wrapped_continuations(df).to_list() == [False, True, False, True, False, False] + [False] * 4

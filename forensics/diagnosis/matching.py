@@ -15,6 +15,7 @@ from .. import catalogue as sig
 from ..catalogue import Catalogue, ExceptionMatch, Rule
 from .facts import keyword_sql, sql_str
 from .model import Hit
+from ..parsers.conventions import WRAP_MAX_LINES, WRAP_MIN_SHARE, WRAP_MIN_WIDTH
 
 MAX_HITS_PER_RULE_FILE = 2000
 
@@ -66,10 +67,8 @@ def _rule_sql(idx: int, r: Rule) -> str:
 # narrow console): no line is longer than W and many are exactly W long. Such a line, unless
 # it ends in padding, continues on the next one. Only files of up to WRAP_MAX_LINES lines
 # are examined (pastes; a real log is not wrapped, and this saves scanning big files).
-# A trailing \r (a paste saved with Windows line ends) is not part of a line's width.
-WRAP_MIN_WIDTH = 60
-WRAP_MIN_SHARE = 0.3
-WRAP_MAX_LINES = 20_000
+# A trailing \r (a paste saved with Windows line ends) is not part of a line's width. The
+# parser reads the same shape for fatal events (parsers/fatal_events.py; the numbers: parsers/conventions.py).
 
 
 def wrapped_records(con: duckdb.DuckDBPyConnection) -> None:
