@@ -111,6 +111,7 @@ _FRAME_NOFUNC = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)\s*$'
 _TRUNCATED_FRAME = re.compile(r'^\s*File "[^"]*$')  # a frame line the paste cut off
 _CARET = re.compile(r"^\s*[\^~]+\s*$")
 # a frame's source line that raises: what a traceback cut off before its end was raising
+_CANCELLED = re.compile(r"(?:^|\.)CancelledError$")
 _RAISE = re.compile(r"""^raise (?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*)\((?:f?["'](?P<msg>[^"']*))?""")
 _EXC_STRICT = re.compile(
     r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)\w*|KeyError|StopIteration))"
@@ -786,6 +787,15 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
     # a Ray wrapper gives way to the remote exception it carries
     root = typed[0] if typed else (parts[0] if parts else _Part())
     root_idx = parts.index(root) if root in parts else 0
+    # asyncio cancels the awaited task to end a wait (wait_for's timeout, a shutdown): a
+    # CancelledError that the chain carries on from ("During handling ...", "The above
+    # exception was the direct cause ...") is the mechanism, not the failure; the exception it
+    # led to is, and where the text stops before that one's line, what failed is not shown
+    while _CANCELLED.search(root.type or "") and root_idx + 1 < len(parts) \
+            and parts[root_idx + 1].relation in ("cause", "context"):
+        root_idx += 1
+        root = parts[root_idx]
+        typed = [p for p in typed if parts.index(p) >= root_idx]
     # follow Ray wrappers (nested: the driver's task wraps a worker's task) to the remote part
     while _is_ray_wrapper(root):
         nxt = root_idx + 1
@@ -826,7 +836,9 @@ def _row(ev: _Event, st: _Stream, cols: dict[str, list]) -> dict:
         base = user["file"].replace("\\", "/").rsplit("/", 1)[-1]
         user_frame = f"{base}:{user['line']}" + (f" in {user['function']}" if user["function"] else "")
     types: list[str] = []
-    for p in parts:
+    for i, p in enumerate(parts):
+        if i < root_idx and _CANCELLED.search(p.type or ""):
+            continue  # the cancellation the chain carried on from (above)
         for t in (p.type, p.wrapped):
             if t and t not in types:
                 types.append(t)

@@ -103,6 +103,48 @@ def test_chain_seen_only_from_its_first_exception_line():
     assert e["ray_method"] == "train_agents" and e["chain"][1]["relation"] == "context"
 
 
+def test_cancellation_the_chain_carries_on_from_is_not_the_root():
+    """asyncio ends a wait by cancelling the awaited task: the CancelledError a chain carries on
+    from is the mechanism, the exception it led to is the failure (here cut off)."""
+    e = _one('''
+        Traceback (most recent call last):
+          File "/opt/py/lib/python3.11/asyncio/locks.py", line 212, in wait
+            await fut
+        asyncio.exceptions.CancelledError
+
+        The above exception was the direct cause of the following exception:
+
+        Traceback (most recent call last):
+          File "/opt/py/lib/python3.11/site-packages/tracker/client.py", line 88, in wait_reply
+            await asyncio.wait_for(evt.wait(), timeout=timeout)
+          File "/opt/py
+        ''')
+    assert (e["exc_type"], e["cut_off"]) == ("unknown", True)
+    assert "asyncio.exceptions.CancelledError" not in e["types"]
+    e = _one('''
+        Traceback (most recent call last):
+          File "/opt/py/lib/python3.11/asyncio/tasks.py", line 500, in wait_for
+            return fut.result()
+        asyncio.exceptions.CancelledError
+
+        The above exception was the direct cause of the following exception:
+
+        Traceback (most recent call last):
+          File "/srv/judge/client.py", line 31, in score
+            return await asyncio.wait_for(self.call(req), timeout=30)
+        TimeoutError
+        ''')
+    assert e["exc_type"] == "TimeoutError" and e["types"] == ["TimeoutError"]
+    # a cancellation on its own (a task cancelled at shutdown) stays what it is
+    e = _one('''
+        Traceback (most recent call last):
+          File "/opt/py/lib/python3.11/asyncio/tasks.py", line 500, in wait_for
+            return fut.result()
+        asyncio.exceptions.CancelledError
+        ''')
+    assert e["exc_type"] == "asyncio.exceptions.CancelledError"
+
+
 def test_ray_task_error_remote_traceback_and_wrapped_type():
     e = _one('''
         Traceback (most recent call last):

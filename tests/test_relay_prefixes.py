@@ -231,3 +231,20 @@ def test_lightnings_rank_prefix_gives_the_rank():
     lines = _parse(text)["lines"].sort("line_no")
     assert lines["rank"].to_list()[:3] == [0, 3, 3] and lines["message"][:2].to_list() == ["Seed set to 42"] * 2
     assert lines["rank"][3:].to_list() == [None, None] and lines["message"][3:].to_list() == ["[rank 3] is not a prefix", "[rank3] nor this"]
+
+
+def test_metaflow_task_prefix_is_stripped_and_the_header_behind_it_read():
+    """Metaflow's task log: `<date> <time.ms> [run/step/task (pid N)] ` and, on AWS Batch,
+    `[<job uuid>] `: the time is kept, the traceback and the program's header behind it read."""
+    job = "[5f2d77a1-0c3e-4b8e-9d41-6a0e2b9c1f08] "
+    pre = "2024-11-05 21:14:03.412 [4312/finetune/9071 (pid 5120)] "
+    text = (pre + job + "2024-11-05 21:14:03 ERROR [trainer] checkpoint failed\n"
+            + pre + job + "Traceback (most recent call last):\n"
+            + pre + job + "  File \"/srv/pkg/torch/serialization.py\", line 650, in save\n"
+            + pre + job + "    _save(obj, opened_zipfile, pickle_module, pickle_protocol)\n"
+            + pre + job + "OSError: [Errno 28] No space left on device\n"
+            + "2024-11-05 21:14:04.001 [4312/finetune/9071 (pid 5120)] Task failed.\n")
+    lines = _lines_and_traceback(text, ("OSError", 2, 5, ["save"]))
+    assert lines["level"][0] == "ERROR" and lines["message"][0].endswith("checkpoint failed")
+    assert lines["message"][4] == "OSError: [Errno 28] No space left on device"
+    assert lines["message"][5] == "Task failed." and lines["ts"][5] is not None
