@@ -943,22 +943,26 @@ def wrapped_continuations(df: pl.DataFrame) -> pl.Series:
     f = df.select(pl.col("file_id"), text.alias("_t"), pl.col("header"))
     f = f.with_columns(pl.col("_t").str.len_chars().alias("_n"))
     per_file = f.group_by("file_id").agg(
-        pl.col("_n").max().alias("_w"), pl.len().alias("_c"),
-        ((pl.col("_n") == pl.col("_n").max()).sum()).alias("_full"),
-        pl.col("_t").filter(pl.col("_n") == pl.col("_n").max()).n_unique().alias("_distinct"))
+        pl.col("_n").max().alias("_w"), pl.len().alias("_c"), ((pl.col("_n") == pl.col("_n").max()).sum()).alias("_full"))
     wrapped = per_file.filter((pl.col("_w") >= WRAP_MIN_WIDTH) & (pl.col("_c") <= WRAP_MAX_LINES)
-                              & (pl.col("_full") >= pl.max_horizontal(pl.lit(3), WRAP_MIN_SHARE * pl.col("_c")))
-                              & (pl.col("_distinct") >= 3)).select("file_id", "_w")
+                              & (pl.col("_full") >= pl.max_horizontal(pl.lit(3), WRAP_MIN_SHARE * pl.col("_c")))).select("file_id", "_w")
+    if wrapped.is_empty():
+        return none
+    # and at least 3 different lines of that width (not one line repeated: a table's rule)
+    distinct = f.join(wrapped, on="file_id").filter(pl.col("_n") == pl.col("_w")).group_by("file_id").agg(
+        pl.col("_t").n_unique().alias("_d"))
+    wrapped = wrapped.join(distinct.filter(pl.col("_d") >= 3), on="file_id", how="semi")
     if wrapped.is_empty():
         return none
     word = pl.col("_t").str.extract(r"^\W*\w+", 0)
-    out = f.join(wrapped, on="file_id", how="left", maintain_order="left").with_columns(
-        (pl.col("_w").is_not_null()
-         & (pl.col("_n").shift(1).over("file_id") == pl.col("_w"))
-         & ~pl.col("_t").shift(1).over("file_id").str.contains(r"\s$")
-         & pl.col("header").is_null()
-         & word.ne_missing(word.shift(1).over("file_id"))).fill_null(False).alias("cont"))
-    return out.get_column("cont")
+    # the line tests only on the rows of the wrapped files (a batch of many files has few)
+    rows = f.with_row_index("_i").join(wrapped, on="file_id", maintain_order="left")
+    cont = rows.select("_i", (
+        (pl.col("_n").shift(1).over("file_id") == pl.col("_w"))
+        & ~pl.col("_t").shift(1).over("file_id").str.contains(r"\s$")
+        & pl.col("header").is_null()
+        & word.ne_missing(word.shift(1).over("file_id"))).fill_null(False).alias("cont")).filter(pl.col("cont"))
+    return none.scatter(cont.get_column("_i"), True) if cont.height else none
 
 
 def find_events(df: pl.DataFrame) -> tuple[pl.Series, pl.Series, pl.DataFrame]:
