@@ -49,7 +49,7 @@ LINES = Table(
         col("local_rank", pa.int32(), "Local rank from a torchrun `[defaultN]:` tee prefix."),
         col("repeat", pa.int32(), "Ray log deduplication: the line stands for this many (`[repeated Nx across cluster]`)."),
         col("event_line", pa.int64(), "For lines that belong to a multi-line event (a Python traceback), the line_no of its first line; else null."),
-        col("message", pa.string(), "The line without recognised prefixes/headers and ANSI escapes; for lines with `\\r` (progress bars) the last non-empty `\\r` segment. Never null.", default='"text"'),
+        col("message", pa.string(), "The line without recognised prefixes/headers and ANSI escapes, no-break spaces (U+00A0) read as spaces; for lines with `\\r` (progress bars) the last non-empty `\\r` segment. Never null.", default='"text"'),
         col("text", pa.string(), "The raw line as decoded (UTF-8; undecodable bytes as U+FFFD), without its `\\n`."),
     ),
 )
@@ -205,10 +205,12 @@ def base_columns(df: pl.DataFrame) -> pl.DataFrame:
     """Add the empty provenance columns and a cleaned ``message``."""
     text = df.get_column("text")
     message = text
-    # only lines with an escape or a \r need work (a when/then would run it on all)
-    idx = df.select(pl.arg_where(pl.col("text").str.contains(r"[\x1b\r]"))).to_series()
+    # only lines with an escape, a \r or a no-break space need work (a when/then would run it on all)
+    idx = df.select(pl.arg_where(pl.col("text").str.contains(r"[\x1b\r\u00a0]"))).to_series()
     if not idx.is_empty():
-        msg = text.gather(idx).str.replace_all(_ANSI, "")
+        # a paste copied from a web page has no-break spaces for some of its spaces: headers and
+        # tracebacks are read with plain ones
+        msg = text.gather(idx).str.replace_all(_ANSI, "").str.replace_all("\u00a0", " ", literal=True)
         # progress bars: keep the last non-empty \r segment
         last_seg = msg.str.replace(r"\r+$", "").str.extract(r"([^\r]*)$", 1)
         cleaned = pl.select(pl.when(msg.str.contains("\r", literal=True)).then(last_seg).otherwise(msg)).to_series()

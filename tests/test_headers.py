@@ -77,3 +77,10 @@ def test_a_bracketed_level_and_logger_without_a_time():
     rows = dict(parse_text(io.BytesIO(text.encode()), ctx))["lines"].sort("line_no").select("level", "logger", "message").rows()
     assert rows == [("INFO", "swift", "Start time of running main"), ("WARNING", "swift", "rank 3 exited"),
                     (None, None, "[INFO:a b] no"), (None, None, "[0, 1] a list")]
+
+
+def test_no_break_spaces_of_a_web_page_copy_are_read_as_spaces():
+    """A paste copied from a rendered page carries U+00A0 for some spaces: the header is read
+    as with plain spaces; `text` keeps what was written."""
+    rows = _lines("2025-03-14\u00a010:02:14\u00a0ERROR 4127 [engine.py:88]\u00a0 RuntimeError: boom\n")
+    assert rows[0][1:5] == ("ERROR", "engine.py:88", "RuntimeError: boom", "pylog")
