@@ -231,3 +231,15 @@ def test_lightnings_rank_prefix_gives_the_rank():
     lines = _parse(text)["lines"].sort("line_no")
     assert lines["rank"].to_list()[:3] == [0, 3, 3] and lines["message"][:2].to_list() == ["Seed set to 42"] * 2
     assert lines["rank"][3:].to_list() == [None, None] and lines["message"][3:].to_list() == ["[rank 3] is not a prefix", "[rank3] nor this"]
+
+
+def test_a_nemo_rl_worker_repr_gives_the_global_rank():
+    """NeMo-RL's workers print `Class[rank=N]` as their repr, which Ray puts in the prefix
+    (`(MegatronPolicyWorker[rank=8] pid=N, ip=A)`): N is the worker's global rank."""
+    text = ("(PolicyWorkerV2[rank=5] pid=91011, ip=10.4.0.9)   File \"/srv/rl/train.py\", line 126 in model_forward\n"
+            "(PolicyWorkerV2 pid=91011) Initializing PolicyWorkerV2\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["PolicyWorkerV2", "PolicyWorkerV2"]
+    assert lines["pid"].to_list() == [91011, 91011] and lines["node"][0] == "10.4.0.9"
+    assert lines["rank"][0] == 5
+    assert lines["message"][0].startswith('  File "/srv/rl/train.py"')
