@@ -114,11 +114,14 @@ _CARET = re.compile(r"^\s*[\^~]+\s*$")
 _CANCELLED = re.compile(r"(?:^|\.)CancelledError$")
 _RAISE = re.compile(r"""^raise (?P<type>(?:[A-Za-z_]\w*\.)*[A-Z]\w*)\((?:f?["'](?P<msg>[^"']*))?""")
 _EXC_STRICT = re.compile(
-    r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)\w*|KeyError|StopIteration))"
+    r"^(?P<type>(?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt|Failure|Fault)\w*|KeyError|StopIteration|Exception))"
     r"(?:\((?P<wrapped>[\w.]+)\))?(?::\s?(?P<msg>.*)|\s*)$")
 _EXC_LOOSE = re.compile(r"^(?P<type>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?:\((?P<wrapped>[\w.]+)\))?(?::\s?(?P<msg>.*)|\s*)$")
-_RAY_TASK = re.compile(r"ray::(?:(?P<cls>[A-Za-z_][\w<>]*(?:\.[A-Za-z_][\w<>]*)*)\.)?(?P<method>[A-Za-z_]\w*)\(\)?\s*(?:\(pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^,)\s]+))?)?")
-_RAY_TASK_HEADER = re.compile(r"(?i)(?:exception|error|failed).*ray::[\w.<>]+\(\)? \(pid=\d+")  # Ray's / a framework's task-failure header
+# a named actor's task carries the actor's name first (`ray::lm_policy-0-2:DTensorPolicyWorker.__init__()`,
+# `ray::RayTest:0:RayCOMMTester.__init__()`: the name given to `.options(name=...)`, then `:`)
+_RAY_NAME = r"(?:[\w\-]+(?::[\w\-]+)*:)?"
+_RAY_TASK = re.compile(r"ray::" + _RAY_NAME + r"(?:(?P<cls>[A-Za-z_][\w<>]*(?:\.[A-Za-z_][\w<>]*)*)\.)?(?P<method>[A-Za-z_]\w*)\(\)?\s*(?:\(pid=(?P<pid>\d+)(?:, ip=(?P<ip>[^,)\s]+))?)?")
+_RAY_TASK_HEADER = re.compile(r"(?i)(?:exception|error|failed).*ray::" + _RAY_NAME + r"[\w.<>]+\(\)? \(pid=\d+")  # Ray's / a framework's task-failure header
 _RAY_TASK_LINE = re.compile(r"^\s*ray::\S+\(\)?\s*(?:\(pid=\d+.*)?$")
 _SIGNAL = re.compile(r"\*\*\* (?P<sig>SIG[A-Z]+) received at time=\d+")
 _NATIVE_FRAME = re.compile(r"^\s*(?:PC: )?@\s+(?:0x[0-9a-fA-F]+|\.\.\. and at least \d+ more frames)")
@@ -178,8 +181,8 @@ _STARTS = (r"Traceback \(most recent call last\)|The above exception was|During 
            r"StackTrace Information|Check failure stack trace|Error executing job with overrides|"
            r"^Exception ignored in|^Error in atexit|^Exception in thread|^Task exception was never retrieved|^Exception in callback|"
            r"\s{2,}Traceback \(most recent call last\)\s*$|"
-           r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::[\w.<>]+\(\)? \(pid=|"
-           r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|"
+           r"Exception has occurred: |发生异常: |例外が発生しました: |RayTaskError|ray::" + _RAY_NAME + r"[\w.<>]+\(\)? \(pid=|"
+           r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\w*(?:\(\w+\))?:|^Exception: |"
            r"exit(?:ed)? with (?:non-?zero )?(?:exit )?(?:code|status)|exitcode\s*[:=]|exit code|exits with return code|"
            r"^(?:Segmentation fault|Bus error|Aborted|Illegal instruction|Floating point exception|Killed)|"
            r"^(?:" + _LOCALISED_SIGNAL_WORDS + r")|"

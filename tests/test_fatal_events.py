@@ -661,3 +661,31 @@ def test_wrapped_continuations_need_a_wrapped_file():
                                 w + "y" * 10, "short", "a" * 70, "b"],  # file 2: only one line of the widest width
                        "header": [None] * 10})
     assert wrapped_continuations(df).to_list() == [False, True, False, True, False, False] + [False] * 4
+
+
+def test_a_named_actors_task_is_a_ray_wrapper():
+    """Ray names a named actor's task `ray::<actor name>:<Class>.<method>()` (the name may hold
+    `-` and `:`); the creation-task report is the event's head, its remote frames follow."""
+    ev = _one("""
+        (PolicyWorker pid=5151) Exception raised in creation task: The actor died because of an error raised in its creation task, ray::policy-0-3:PolicyWorker.__init__() (pid=5151, ip=10.2.0.4, actor_id=ab12, repr=PolicyWorker[rank=3])
+        (PolicyWorker pid=5151)   File "/srv/rl/policy_worker.py", line 266, in __init__
+        (PolicyWorker pid=5151)     torch.distributed.broadcast(buf, src=0)
+        """)
+    assert ev["wrapper"] == "ray_task" and ev["line_no"] == 1 and ev["exc_line"] == 1
+    assert ev["ray_actor"] == "PolicyWorker" and ev["ray_method"] == "__init__" and ev["ray_pid"] == 5151
+
+
+def test_a_bare_exception_line_opens_a_chain_cut_above():
+    """`Exception: ...` (Python's base class, raised as is) is an exception line: a paste that
+    starts at it, then `During handling ...`, has it as the chain's first exception."""
+    ev = _one("""
+        (agent pid=77) Exception: Episode 4 failed after 3 retries
+        (agent pid=77)
+        (agent pid=77) During handling of the above exception, another exception occurred:
+        (agent pid=77)
+        (agent pid=77) Traceback (most recent call last):
+        (agent pid=77)   File "/srv/agents/engine.py", line 50, in run_episode
+        (agent pid=77)     raise e
+        (agent pid=77) Exception: Episode 5 failed after 3 retries
+        """)
+    assert ev["exc_type"] == "Exception" and ev["exc_line"] == 1 and ev["message"] == "Episode 4 failed after 3 retries"

@@ -84,3 +84,21 @@ def test_no_break_spaces_of_a_web_page_copy_are_read_as_spaces():
     as with plain spaces; `text` keeps what was written."""
     rows = _lines("2025-03-14\u00a010:02:14\u00a0ERROR 4127 [engine.py:88]\u00a0 RuntimeError: boom\n")
     assert rows[0][1:5] == ("ERROR", "engine.py:88", "RuntimeError: boom", "pylog")
+
+
+def test_areal_logger_records():
+    """AReaL's `(AReaL) YYYYMMDD-HH:MM:SS.mmm name LEVEL: msg` (older releases without the tag,
+    a logger name in brackets, merged.log's `[main]` source first, a markdown list's margin)."""
+    text = ("(AReaL) 20260302-14:05:11.250 RemoteInfEngine INFO: waiting for server at 10.1.2.3:30000\n"
+            "  (AReaL) 20260302-14:05:40.004 EngineBP ERROR: Engine method 'initialize' failed: bad wrap names\n"
+            "20251102-08:10:00.117 [FSDPEngine Rank 2] WARNING: slow step\n"
+            "[main]    (AReaL) 20260302-14:06:00.000 LocalScheduler ERROR: worker actor/1 exited\n"
+            "20260302 not a record\n")
+    ctx = FileContext(file_id=1, path="areal.log", size=len(text.encode()), fmt="text")
+    lines = dict(parse_text(io.BytesIO(text.encode()), ctx))["lines"].sort("line_no")
+    rows = lines.select("level", "logger", "message").rows()
+    assert rows[:4] == [("INFO", "RemoteInfEngine", "waiting for server at 10.1.2.3:30000"),
+                        ("ERROR", "EngineBP", "Engine method 'initialize' failed: bad wrap names"),
+                        ("WARNING", "FSDPEngine Rank 2", "slow step"), ("ERROR", "LocalScheduler", "worker actor/1 exited")]
+    assert rows[4] == (None, None, "20260302 not a record")
+    assert lines["ts"][1] == datetime(2026, 3, 2, 14, 5, 40, 4000)

@@ -251,3 +251,25 @@ def test_a_lazy_marker_matches_what_its_regex_matches(pattern, hit, miss):
     assert m.search(hit) and not m.search(miss)
     assert m.search("Ünïcode " + hit)  # non-ASCII text skips the lowered test, not the match
 
+
+
+# Generation and log-prob frames of other RL frameworks (shapes of hiyouga/LlamaFactory#8114,
+# NVIDIA-NeMo/RL#1178, rllm-org/rllm#176) and AReaL's engine set-up (areal-project/AReaL#240, #1186)
+TRL_GATHER_FOR_GENERATION = tb(("/opt/py/trl/trainer/ppo_trainer.py", 480, "train", "with unwrap_model_for_generation(self.model, self.accelerator) as unwrapped:"),
+                               ("/opt/py/trl/models/utils.py", 170, "unwrap_model_for_generation", "add_hooks(model)"),
+                               exc="AttributeError: 'DeepSpeedZeRoOffload' object has no attribute 'register_hooks'")
+NEMO_LOGPROBS = tb(("/srv/rl/nemo_rl/algorithms/grpo.py", 790, "grpo_train", "fprop = policy.get_logprobs(train_data)[\"logprobs\"]"),
+                   ("/srv/rl/nemo_rl/models/policy/lm_policy.py", 270, "get_logprobs", "self.worker_group.get_all_worker_results(futures)"),
+                   exc="RuntimeError: shape mismatch")
+RLLM_TRAJECTORY = tb(("/srv/rllm/rllm/engine/agent_execution_engine.py", 480, "run_agent_trajectory_with_retry", "raise Exception(f\"Trajectory {idx} failed\")"),
+                     exc="Exception: Trajectory 3 failed")
+AREAL_INITIALIZE = tb(("/srv/areal/examples/math/train.py", 80, "main", "rollout.initialize(None, spec)"),
+                      ("/srv/areal/areal/engine/sglang_remote.py", 70, "initialize", "self._wait_for_server(addr)"),
+                      exc="RuntimeError: server launch failed")
+
+
+@pytest.mark.parametrize("text, phase", [(TRL_GATHER_FOR_GENERATION, "rollout"), (NEMO_LOGPROBS, "rollout"),
+                                         (RLLM_TRAJECTORY, "rollout"), (AREAL_INITIALIZE, "init")],
+                         ids=["trl-unwrap-for-generation", "nemo-rl-logprobs", "rllm-trajectory", "areal-initialize"])
+def test_phase_in_other_rl_frameworks(markers, text, phase):
+    assert phase_of(text, markers, frames_only=True) == phase

@@ -248,3 +248,15 @@ def test_metaflow_task_prefix_is_stripped_and_the_header_behind_it_read():
     assert lines["level"][0] == "ERROR" and lines["message"][0].endswith("checkpoint failed")
     assert lines["message"][4] == "OSError: [Errno 28] No space left on device"
     assert lines["message"][5] == "Task failed." and lines["ts"][5] is not None
+
+
+def test_a_nemo_rl_worker_repr_gives_the_global_rank():
+    """NeMo-RL's workers print `Class[rank=N]` as their repr, which Ray puts in the prefix
+    (`(MegatronPolicyWorker[rank=8] pid=N, ip=A)`): N is the worker's global rank."""
+    text = ("(PolicyWorkerV2[rank=5] pid=91011, ip=10.4.0.9)   File \"/srv/rl/train.py\", line 126 in model_forward\n"
+            "(PolicyWorkerV2 pid=91011) Initializing PolicyWorkerV2\n")
+    lines = _parse(text)["lines"].sort("line_no")
+    assert lines["actor"].to_list() == ["PolicyWorkerV2", "PolicyWorkerV2"]
+    assert lines["pid"].to_list() == [91011, 91011] and lines["node"][0] == "10.4.0.9"
+    assert lines["rank"][0] == 5
+    assert lines["message"][0].startswith('  File "/srv/rl/train.py"')

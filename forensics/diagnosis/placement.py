@@ -104,7 +104,9 @@ def place(ctx: Context, hits: list[Hit], facts: RunFacts) -> None:
         elif h.groups.get("own_rank", "").isdigit():
             h.rank, h.rank_source = int(h.groups["own_rank"]), "text"
         else:
-            m = re.search(r"\[[Rr]ank[ _]?(\d+)\]", h.message)
+            # `[Rank 3]`, `[rank_3]`; NeMo-RL's worker repr `DTensorPolicyWorker[rank=3]` (the
+            # global rank) in a Ray task header's `repr=` names the worker that failed
+            m = re.search(r"\[[Rr]ank[ _=]?(\d+)\]", h.message)
             if m:
                 h.rank, h.rank_source = int(m.group(1)), "text"
             elif h.proc is not None and h.proc in facts.pid_rank:

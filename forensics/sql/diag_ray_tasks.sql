@@ -25,8 +25,8 @@ SELECT
     line_no,
     ts,
     nullif(regexp_extract(message, 'RayTaskError\((\w+)\)', 1), '') AS exception,
-    nullif(regexp_extract(message, 'ray::(?:([\w.<>]+)\.)?\w+\(?\)? \(pid=', 1), '') AS actor_class,
-    nullif(regexp_extract(message, 'ray::(?:[\w.<>]+\.)?(\w+)\(?\)? \(pid=', 1), '') AS method,
+    nullif(regexp_extract(message, 'ray::(?:[\w\-]+(?::[\w\-]+)*:)?(?:([\w.<>]+)\.)?\w+\(?\)? \(pid=', 1), '') AS actor_class,
+    nullif(regexp_extract(message, 'ray::(?:[\w\-]+(?::[\w\-]+)*:)?(?:[\w.<>]+\.)?(\w+)\(?\)? \(pid=', 1), '') AS method,
     TRY_CAST(nullif(regexp_extract(message, 'ray::\S+ \(pid=(\d+)', 1), '') AS BIGINT) AS pid,
     nullif(regexp_extract(message, 'ray::\S+ \(pid=\d+, ip=([^,)\s]+)', 1), '') AS ip
 FROM lines

@@ -8,6 +8,9 @@ Python ``logging`` in its common shapes and other ISO-stamped lines:
   ``[filename:lineno]`` after the level)
 * ``[2025-03-14 10:00:00,123] [INFO] [config.py:1003:print] msg`` (DeepSpeed)
 * ``2025-03-14T10:02:11.345Z msg``, ``2025-03-14T18:02:11+08:00 msg``, ``[2025-03-14 10:02:11] msg``
+* ``(AReaL) 20260415-06:21:44.507 EngineBP ERROR: msg`` (AReaL's logger: ``%Y%m%d-%H:%M:%S``
+  and milliseconds, the logger's name, which may be ``[FSDPEngine Rank 0]``; older releases
+  without the ``(AReaL)`` tag; ``merged.log`` puts a fixed-width ``[main]`` source before it)
 * without a time: ``[INFO:swift] msg`` (ms-swift's and ModelScope's logger format,
   ``[%(levelname)s:%(name)s]``): the level and the logger only
 
@@ -72,5 +75,23 @@ def annotate_bracketed(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame
     return df, {}
 
 
+# AReaL's logger (areal/utils/logging.py: `(AReaL) %(asctime)s.%(msecs)03d %(name)s %(levelname)s: `
+# with the date format `%Y%m%d-%H:%M:%S`). A paste inside a markdown list keeps the list's margin.
+_AREAL = (r"^(?P<h>[ \t]*(?:\[\w+\][ \t]+)?(?:\(AReaL\)[ \t]+)?(?P<ts>\d{8}-\d{2}:\d{2}:\d{2}(?:\.\d{1,6})?)[ \t]+"
+          rf"(?P<name>\[[^\]]+\]|[^\s\[\]]+)[ \t]+(?P<level>{_LEVEL}):(?:[ \t]|$))")
+
+
+def annotate_areal(df: pl.DataFrame, ctx: FileContext) -> tuple[pl.DataFrame, dict]:
+    """AReaL's ``(AReaL) YYYYMMDD-HH:MM:SS.mmm name LEVEL: msg`` records."""
+    stamped = pl.col("message").str.contains(r"^[ \t]*(?:\[\w+\][ \t]+)?(?:\(AReaL\)[ \t]+)?\d{8}-\d{2}:")
+    if not df.select(stamped.any()).item():
+        return df, {}
+    ts = g("ts").str.to_datetime("%Y%m%d-%H:%M:%S%.f", strict=False, time_unit="us")
+    df = apply_header(df, _AREAL, "pylog", {"ts": ts, "ts_quality": pl.lit("full"), "level": normalise_level(g("level")),
+                                             "logger": g("name").str.strip_chars("[]")}, prefilter=stamped)
+    return df, {}
+
+
 # After the specific formats: a stamp they recognised is theirs (only unclaimed lines are read here).
-FORMATS = (LineFormat("headers", 80, annotate), LineFormat("headers_bracketed", 81, annotate_bracketed))
+FORMATS = (LineFormat("headers", 80, annotate), LineFormat("headers_bracketed", 81, annotate_bracketed),
+           LineFormat("headers_areal", 82, annotate_areal))

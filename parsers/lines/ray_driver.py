@@ -25,11 +25,14 @@ from .common import apply_header, g
 # An actor class with a __repr__ is named by it (Ray's documented way to tell actors apart in
 # the prefix: `(MyActor(index=2) pid=482120)`); frameworks that set one may leave an empty
 # field behind the pid (`(ActorWorker(actor_infer-0) pid=12266, )`).
+# NeMo-RL's workers define their __repr__ as `Class[rank=N]` with N the process's global
+# torch.distributed rank ("Customizes the actor's prefix in the Ray logs":
+# `(MegatronPolicyWorker[rank=8] pid=N, ip=A)`): the actor is the class, N the line's rank.
 # A paste from a terminal may keep the colour codes Ray wraps the prefix in without their
 # ESC byte (`[36m(WorkerDict pid=123)[0m msg`): they are part of the prefix.
 _LOST_ESC = r"(?:\[[\d;]{1,8}m)?"
 _WORKER = (
-    r"^(?P<h>" + _LOST_ESC + r"\((?:(?P<actor>[A-Za-z_][\w.<>\-]*(?:\([^()\s]*\))?) )?(?:rank=\d+ )?pid=(?P<pid>\d+)"
+    r"^(?P<h>" + _LOST_ESC + r"\((?:(?P<actor>[A-Za-z_][\w.<>\-]*(?:\([^()\s]*\))?)(?:\[rank=(?P<rank>\d+)\])? )?(?:rank=\d+ )?pid=(?P<pid>\d+)"
     r"(?:, ip=(?P<ip>[^)\s,]+)|, )?\)" + _LOST_ESC + r" ?)"
 )
 _SYSTEM = (r"^(?P<h>" + _LOST_ESC + r"\((?P<actor>raylet|autoscaler|gcs_server|monitor|dashboard\w*|log_monitor)"
@@ -47,6 +50,7 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
         fields = {"actor": g("actor"), "node": pl.coalesce(g("ip"), pl.col("node"))}
         if pattern is _WORKER:
             fields["pid"] = g("pid").cast(pl.Int64)
+            fields["rank"] = pl.coalesce(g("rank").cast(pl.Int64), pl.col("rank"))
         df = apply_header(df, pattern, None, fields, only_unset=False, prefilter=starts)
     if df.select(pl.col("message").str.contains("x across cluster]", literal=True).any()).item():
         rep = df.get_column("message").str.extract(_DEDUP, 1)
@@ -58,7 +62,7 @@ def annotate(df: pl.DataFrame, ctx) -> tuple[pl.DataFrame, dict]:
 
 
 # A driver console line: a worker's line copied behind its Ray prefix, colour codes and all.
-DRIVER_LINE = re.compile(rb"\n(?:\x1b?\[[\d;]*m)*\((?:[\w.<>\-]+(?:\([^()\s]*\))? )?(?:rank=\d+ )?pid=\d+(?:, ip=[^)]+|, )?\)")
+DRIVER_LINE = re.compile(rb"\n(?:\x1b?\[[\d;]*m)*\((?:[\w.<>\-]+(?:\([^()\s]*\))?(?:\[rank=\d+\])? )?(?:rank=\d+ )?pid=\d+(?:, ip=[^)]+|, )?\)")
 
 FORMATS = (
     LineFormat("ray_driver", 10, annotate),  # first: the prefix hides every header behind it
